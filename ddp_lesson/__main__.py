@@ -1,0 +1,142 @@
+"""Command line: python -m ddp_lesson {run,demo,doctor,cleanup} ...
+
+Exit status of run/demo: 0 all ranks succeeded; 1 the run failed or timed out;
+2 bad input, found before anything starts; 130 interrupted, after every process is gone.
+"""
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from . import BadInput, launch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one sentence, no usage block
+        raise BadInput(f"{message[0].upper()}{message[1:]} (see: python -m ddp_lesson {self.prog.split()[-1]} --help).")
+
+
+def _device_args(p):
+    p.add_argument("--nproc", help="processes (ranks) on this node; default: one per GPU, or 2 CPU processes")
+    p.add_argument("--gpus", help="physical GPU ids to use, e.g. 0,1 (one rank each)")
+    p.add_argument("--cpu", action="store_true", help="CPU processes on gloo even where GPUs exist")
+    p.add_argument("--run-dir", help="a new folder for this run (default: runs/<time>-<script>)")
+
+
+def build_parser():
+    top = Parser(prog="python -m ddp_lesson", description=__doc__.split("\n")[0])
+    sub = top.add_subparsers(dest="command", parser_class=Parser, required=True)
+    run = sub.add_parser("run", help="launch a script under torchrun and supervise it")
+    run.add_argument("script")
+    _device_args(run)
+    run.add_argument("--max-restarts", default=0, help="elastic restarts after a failure (default 0)")
+    run.add_argument("--timeout", help="stop the run after this many seconds (status: timeout)")
+    run.add_argument("--nnodes", default=1, help="number of nodes (default 1)")
+    run.add_argument("--node-rank", default=0, help="this node's rank among the nodes")
+    run.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, for several nodes")
+    run.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
+    demo = sub.add_parser("demo", help="train the reference DDP script on the built-in data")
+    _device_args(demo)
+    demo.add_argument("--epochs", default="3", help="epochs (default 3)")
+    sub.add_parser("doctor", help="check this machine before a workshop")
+    clean = sub.add_parser("cleanup", help="stop leftover processes of ddp_lesson runs")
+    clean.add_argument("--dry-run", action="store_true", help="only list them")
+    return top
+
+
+def follow(run, out=sys.stdout, err=sys.stderr):
+    """Echo the ranks' output while the run goes: rank 0 as it is (its progress bar
+    included), other ranks prefixed with [rankN]."""
+    tail = run.output()
+    ended = False
+    while True:
+        for rank, stream, text in tail.read():
+            target = out if stream == "stdout" else err
+            if rank == 0 and stream == "stdout":
+                target.write(text)
+            else:
+                target.write("".join(f"[rank{rank}] {line}\n" for line in text.splitlines()))
+            target.flush()
+        if ended:
+            return run.result
+        ended = run.wait(timeout=0.2) is not None
+
+
+def report(run, out=sys.stdout, err=sys.stderr):
+    res = run.result
+    status = res["status"]
+    if status == "ok":
+        print(f"\nrun ok in {res['duration_s']:.1f} s; run directory: {run.run_dir}", file=out)
+    else:
+        print(f"\nrun {status} after {res['duration_s']:.1f} s; run directory: {run.run_dir}", file=err)
+        print(res.get("message", ""), file=err)
+    return EXIT[status]
+
+
+def supervise(run, quiet=False):
+    try:
+        if quiet:
+            run.wait()
+        else:
+            follow(run)
+    except KeyboardInterrupt:
+        run.stop()
+    return report(run)
+
+
+def cmd_run(a, script_args):
+    run = launch.start(a.script, nproc=a.nproc, gpus=a.gpus, cpu=a.cpu, args=script_args,
+                       run_dir=a.run_dir, max_restarts=a.max_restarts, timeout=a.timeout,
+                       nnodes=a.nnodes, node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint)
+    return supervise(run, a.quiet)
+
+
+def cmd_demo(a):
+    epochs = launch._check_number("--epochs", a.epochs, 1)
+    run = launch.start(SCRIPTS / "train_ddp.py", nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
+                       args=["--epochs", str(epochs)], run_dir=a.run_dir, label="demo")
+    print(f"demo: {run.config['nproc']} rank(s) on {run.config['backend']}, {epochs} epoch(s); "
+          f"run directory {run.run_dir}", flush=True)
+    code = supervise(run)
+    if code == 0:
+        from .runs import load
+        s = load(run.run_dir).summary()
+        acc = s["final_accuracy"]
+        print(f"summary: test accuracy {acc:.1%} (chance is 10%), final loss {s['final_loss']:.3f}, "
+              f"{s['samples_per_s'] or 0:.0f} samples/s over all ranks" if acc is not None
+              else "summary: no metrics were written")
+    return code
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, script_args = argv[:i], argv[i + 1:]
+    # SIGTERM to this process ends the run like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        a = build_parser().parse_args(argv)
+        if a.command == "run":
+            return cmd_run(a, script_args)
+        if a.command == "demo":
+            return cmd_demo(a)
+        if a.command == "doctor":
+            from . import doctor
+            return doctor.main()
+        if a.command == "cleanup":
+            from . import doctor
+            return doctor.cleanup(dry_run=a.dry_run)
+    except BadInput as e:
+        print(f"ddp_lesson: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Which devices a run gets: GPUs from nvidia-smi (CUDA is never initialised in the
+calling process, so a notebook kernel stays fork-safe), or CPU processes on gloo."""
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from . import BadInput
+
+CPU_DEFAULT_NPROC = 2
+
+
+@dataclass
+class GPU:
+    index: int          # physical index, in PCI bus order (what nvidia-smi shows)
+    name: str
+    memory_total_mb: int
+    memory_used_mb: int
+    uuid: str = ""
+    processes: list = field(default_factory=list)  # [(pid, used_mb), ...]
+
+    @property
+    def busy(self):
+        return bool(self.processes)
+
+    def label(self):
+        busy = f", in use by {len(self.processes)} process(es)" if self.busy else ""
+        return (f"GPU {self.index}: {self.name}, {self.memory_total_mb / 1024:.0f} GiB "
+                f"({self.memory_used_mb} MiB used){busy}")
+
+
+def _smi(args):
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, *args, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def list_gpus():
+    """NVIDIA GPUs on this machine (empty list when there are none or no driver)."""
+    rows = _smi(["--query-gpu=index,name,memory.total,memory.used,uuid"])
+    if not rows:
+        return []
+    gpus = {}
+    for idx, name, total, used, uuid in rows:
+        gpus[uuid] = GPU(int(idx), name, int(float(total)), int(float(used)), uuid)
+    for row in _smi(["--query-compute-apps=gpu_uuid,pid,used_memory"]) or []:
+        if len(row) == 3 and row[0] in gpus:
+            try:
+                gpus[row[0]].processes.append((int(row[1]), int(float(row[2]))))
+            except ValueError:
+                pass
+    return sorted(gpus.values(), key=lambda g: g.index)
+
+
+def cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def backend_for(use_gpus):
+    """nccl for GPU ranks (not on Windows, where NCCL does not exist), gloo otherwise."""
+    return "nccl" if use_gpus and sys.platform.startswith("linux") else "gloo"
+
+
+@dataclass
+class Plan:
+    nproc: int
+    gpus: list          # physical GPU indices, empty for CPU ranks
+    backend: str
+    env: dict           # what every rank's environment gets
+
+    def describe(self):
+        if self.gpus:
+            return f"{self.nproc} rank(s) on GPU(s) {','.join(map(str, self.gpus))} with {self.backend}"
+        return f"{self.nproc} CPU process(es) with {self.backend}"
+
+
+def _as_ids(gpus):
+    if isinstance(gpus, str):
+        parts = [p.strip() for p in gpus.split(",") if p.strip()]
+        try:
+            return [int(p) for p in parts]
+        except ValueError:
+            raise BadInput(f"--gpus takes GPU numbers separated by commas, like 0,1; got {gpus!r}.") from None
+    return [int(g) for g in gpus]
+
+
+def plan(nproc=None, gpus=None, cpu=False, available=None):
+    """Turn a request into a Plan, or raise BadInput with one sentence.
+
+    gpus: None (all GPUs, or CPU ranks when there are none), a list of physical ids or
+    "0,1"; cpu=True forces CPU ranks on gloo even where GPUs exist."""
+    if nproc is not None:
+        if isinstance(nproc, bool) or not isinstance(nproc, int):
+            try:
+                nproc = int(str(nproc).strip())
+            except ValueError:
+                raise BadInput(f"The number of processes must be a whole number, got {nproc!r}.") from None
+        if nproc < 1:
+            raise BadInput(f"The number of processes must be at least 1, got {nproc}.")
+    found = list_gpus() if available is None else available
+    if gpus is not None and not cpu:
+        ids = _as_ids(gpus)
+        if not ids:
+            raise BadInput("No GPU was selected; pick at least one, or use CPU processes.")
+        have = {g.index for g in found}
+        missing = [i for i in ids if i not in have]
+        if missing:
+            what = f"GPUs {sorted(have)}" if have else "no NVIDIA GPU"
+            raise BadInput(f"GPU {','.join(map(str, missing))} does not exist: this machine has {what}.")
+        if len(set(ids)) != len(ids):
+            raise BadInput(f"GPU ids must not repeat, got {ids}.")
+        if nproc is not None and nproc != len(ids):
+            raise BadInput(f"One process per GPU: {len(ids)} GPU(s) selected but {nproc} processes asked.")
+        return _gpu_plan(ids)
+    if found and not cpu:
+        if nproc is not None and nproc > len(found):
+            raise BadInput(f"This machine has {len(found)} GPU(s); ask for at most {len(found)} "
+                           f"processes, or use CPU processes (--cpu).")
+        return _gpu_plan([g.index for g in found][: nproc or len(found)])
+    n = nproc or max(1, min(CPU_DEFAULT_NPROC, cpu_count()))
+    threads = max(1, cpu_count() // n)
+    return Plan(n, [], "gloo", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)})
+
+
+def _gpu_plan(ids):
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    return Plan(len(ids), ids, backend_for(True), env)

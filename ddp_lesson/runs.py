@@ -1,0 +1,183 @@
+"""Run directories: make one, read one back (also while it runs), compare several.
+
+Layout (the contract): config.json, script.py, logs/, metrics/rank<R>.jsonl, result.json.
+"""
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+DEFAULT_BASE = "runs"
+
+
+def new_run_dir(base=None, name="run"):
+    base = Path(base or os.environ.get("DDP_LESSON_RUNS", DEFAULT_BASE))
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40] or "run"
+    path = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
+    return path
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def write_json(path, data):
+    """Atomic: readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+class MetricsTail:
+    """Reads metrics/rank*.jsonl incrementally: each call returns only rows not seen yet
+    (complete lines only, so a row being written is picked up next time)."""
+
+    def __init__(self, run_dir):
+        self.folder = Path(run_dir) / "metrics"
+        self.offsets = {}
+
+    def read(self):
+        rows = []
+        try:
+            names = sorted(os.listdir(self.folder))
+        except OSError:
+            return rows
+        for name in names:
+            if not name.endswith(".jsonl"):
+                continue
+            path = self.folder / name
+            offset = self.offsets.get(name, 0)
+            try:
+                if path.stat().st_size <= offset:
+                    continue
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            end = chunk.rfind(b"\n") + 1
+            self.offsets[name] = offset + end
+            for line in chunk[:end].splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass
+        rows.sort(key=lambda r: r.get("time", 0))
+        return rows
+
+
+def load_metrics(run_dir):
+    return MetricsTail(run_dir).read()
+
+
+class RunRecord:
+    """A finished (or running) run read back from its directory."""
+
+    def __init__(self, run_dir):
+        self.path = Path(run_dir)
+        if not (self.path / "config.json").exists():
+            raise FileNotFoundError(f"{self.path} is not a run directory (no config.json)")
+        self.config = read_json(self.path / "config.json", {})
+        self.result = read_json(self.path / "result.json")
+        self.rows = load_metrics(self.path)
+
+    @property
+    def name(self):
+        return self.config.get("label") or self.path.name
+
+    @property
+    def status(self):
+        return (self.result or {}).get("status", "running")
+
+    def series(self, key, rank=None, reduce=None):
+        """[(step, value)] for one rank, or for all ranks reduced per step with `reduce`
+        ("mean" or "sum"), or the rows logged with rank None by a reduced logger."""
+        rows = [r for r in self.rows if key in r]
+        if rank is not None:
+            return [(r["step"], r[key]) for r in rows if r.get("rank") == rank]
+        by_step = {}
+        for r in rows:
+            by_step.setdefault(r["step"], []).append(r[key])
+        agg = (lambda v: sum(v)) if reduce == "sum" else (lambda v: sum(v) / len(v))
+        return [(s, agg(v)) for s, v in sorted(by_step.items())]
+
+    def ranks(self):
+        return sorted({r["rank"] for r in self.rows if "rank" in r})
+
+    def last(self, key, rank=None):
+        s = self.series(key, rank=rank)
+        return s[-1][1] if s else None
+
+    def summary(self):
+        res = self.result or {}
+        return {"run": self.name, "status": self.status, "nproc": self.config.get("nproc"),
+                "backend": self.config.get("backend"), "duration_s": res.get("duration_s"),
+                "final_loss": self.last("loss"), "final_accuracy": self.last("accuracy"),
+                "samples_per_s": self.last("samples_per_s")}
+
+    def __repr__(self):
+        return f"RunRecord({str(self.path)!r}, status={self.status!r}, rows={len(self.rows)})"
+
+
+def load(run_dir):
+    return RunRecord(run_dir)
+
+
+def compare(run_dirs):
+    """One summary dict per run, in the given order."""
+    return [load(d).summary() for d in run_dirs]
+
+
+class LogTail:
+    """New text of the ranks' log files since the last call: [(rank, stream, text)]."""
+
+    def __init__(self, run_dir, ranks=None, streams=("stdout", "stderr")):
+        self.folder = Path(run_dir) / "logs"
+        self.ranks, self.streams = ranks, streams
+        self.offsets = {}
+
+    def read(self):
+        out = []
+        try:
+            names = sorted(os.listdir(self.folder))
+        except OSError:
+            return out
+        for name in names:
+            m = re.fullmatch(r"rank(\d+)\.(stdout|stderr)\.log", name)
+            if not m or m.group(2) not in self.streams:
+                continue
+            rank = int(m.group(1))
+            if self.ranks is not None and rank not in self.ranks:
+                continue
+            path = self.folder / name
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets.get(name, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            if data:
+                self.offsets[name] = self.offsets.get(name, 0) + len(data)
+                out.append((rank, m.group(2), data.decode("utf-8", "replace")))
+        return out
+
+
+def tail_text(path, lines=20):
+    """The last `lines` lines of a text file ('' when missing); progress bars drawn with
+    carriage returns keep only their last state."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    kept = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    return "\n".join(kept[-lines:])

@@ -1,0 +1,116 @@
+"""Reference DDP training script: a small CNN on the built-in `shapes` data (or CIFAR-10).
+
+Run it with a launcher, one process per device:
+    torchrun --standalone --nproc-per-node 2 train_ddp.py --epochs 3
+    python -m ddp_lesson run train_ddp.py --nproc 2 -- --epochs 3
+Every line that makes it distributed is here, marked with # DDP.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_lesson import data, metrics, models
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64, help="per process")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data")
+    p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics")
+    p.add_argument("--checkpoint", default="", help="save each epoch here and resume from it")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def evaluate(model, loader, device):
+    model.eval()
+    correct = torch.zeros(2, device=device)  # [correct, count] on this rank
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            correct[0] += (model(x).argmax(1) == y).sum()
+            correct[1] += len(y)
+    dist.all_reduce(correct)  # DDP: sum counts over ranks, then divide
+    model.train()
+    return (correct[0] / correct[1]).item()
+
+
+@record  # DDP: a failing rank's traceback reaches torchrun's error summary
+def main():
+    args = parse_args()
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")          # DDP
+    rank, world = dist.get_rank(), dist.get_world_size()              # DDP
+    local_rank = int(os.environ["LOCAL_RANK"])                        # DDP
+    if use_cuda:
+        torch.cuda.set_device(local_rank)                             # DDP
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    torch.manual_seed(args.seed)
+
+    train_set = data.get(args.dataset, train=True, root=args.data_root)
+    test_set = data.get(args.dataset, train=False, root=args.data_root)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard each
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    test_loader = DataLoader(test_set, batch_size=256,
+                             sampler=DistributedSampler(test_set, shuffle=False, drop_last=True))
+
+    channels, size = data.num_channels_and_size(args.dataset)
+    model = models.SmallCNN(in_channels=channels, image_size=size).to(device)
+    if args.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # DDP
+    model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    start_epoch, step = 0, 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        ckpt = torch.load(args.checkpoint, map_location=device, weights_only=True)  # DDP: map_location
+        model.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        start_epoch, step = ckpt["epoch"] + 1, ckpt["step"]
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} after epoch {ckpt['epoch'] + 1}", flush=True)
+
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        t0, seen = time.time(), 0
+        for i, (x, y) in enumerate(loader):
+            x, y = x.to(device), y.to(device)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # DDP: gradients are all-reduced (averaged) here
+            opt.step()
+            step, seen = step + 1, seen + len(x)
+            metrics.log(step, loss=loss.item(), epoch=epoch)
+            if rank == 0:  # DDP: only rank 0 draws the progress bar
+                done = (i + 1) * 20 // len(loader)
+                print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "
+                      f"loss {loss.item():.3f}", end="", flush=True)
+        throughput = torch.tensor([seen / (time.time() - t0)], device=device)
+        dist.all_reduce(throughput)  # DDP: for the log only: samples/s over all ranks
+        acc = evaluate(model, test_loader, device)
+        metrics.log(step, accuracy=acc, samples_per_s=throughput.item(), epoch=epoch)
+        if rank == 0:
+            print(f"  test accuracy {acc:.1%}, {throughput.item():.0f} samples/s", flush=True)
+            if args.checkpoint:  # DDP: one writer; write then rename, so a crash never leaves half a file
+                state = {"model": model.module.state_dict(), "opt": opt.state_dict(),
+                         "epoch": epoch, "step": step}
+                torch.save(state, args.checkpoint + ".tmp")
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+        dist.barrier()  # DDP: nobody reads the checkpoint before it is written
+
+    dist.destroy_process_group()  # DDP
+
+
+if __name__ == "__main__":
+    main()
