@@ -19,17 +19,23 @@ def tree(pid):
 
 
 def run_processes(run_dir=None):
-    """Processes carrying DDP_LESSON_RUN_DIR (equal to run_dir if given), except this one
-    and its ancestors."""
+    """This user's processes carrying DDP_LESSON_RUN_DIR (equal to run_dir if given),
+    except this one and its ancestors."""
     mine = {os.getpid()}
     try:
         mine.update(p.pid for p in psutil.Process().parents())
     except psutil.Error:
         pass
     want = os.path.abspath(run_dir) if run_dir else None
+    uid = os.getuid() if hasattr(os, "getuid") else None
     found = []
     for p in psutil.process_iter():
         if p.pid in mine:
+            continue
+        try:
+            if uid is not None and p.uids().real != uid:
+                continue  # another user's runs are theirs
+        except psutil.Error:
             continue
         try:
             value = p.environ().get(ENV_KEY)

@@ -1,0 +1,150 @@
+"""Pre-flight checks for a workshop (`python -m ddp_lesson doctor`) and `cleanup`.
+
+One line per check: ok / warn / fail, with what to do."""
+import importlib.metadata
+import os
+import platform
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+from . import devices, launch, procs
+from .runs import read_json, write_json
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _line(level, text, out):
+    print(f"{level:<5} {text}", file=out, flush=True)
+    return level
+
+
+def _version(pkg):
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions(out):
+    import torch  # CUDA is not initialised by reading versions
+    levels = [_line("ok", f"python {platform.python_version()}, torch {torch.__version__}, "
+                          f"torchvision {_version('torchvision') or 'missing'}", out)]
+    cuda = torch.version.cuda
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    except Exception:  # a CPU build has no NCCL
+        nccl = None
+    levels.append(_line("ok", f"CUDA build {cuda or 'none (CPU-only torch)'}, NCCL {nccl or 'none'}, "
+                              f"distributed {'available' if torch.distributed.is_available() else 'MISSING'}",
+                        out))
+    if not torch.distributed.is_available():
+        levels.append(_line("fail", "torch.distributed is not available: install a regular PyTorch build", out))
+    return levels
+
+
+def check_gpus(out):
+    gpus = devices.list_gpus()
+    if not gpus:
+        return [_line("ok", "no NVIDIA GPU (or no driver): lessons run as CPU processes on gloo", out)]
+    levels = []
+    for g in gpus:
+        if g.busy:
+            pids = ", ".join(str(p) for p, _ in g.processes)
+            levels.append(_line("warn", f"{g.label()}: busy (pids {pids}); pick another GPU or "
+                                        f"end those processes (`python -m ddp_lesson cleanup` for ours)", out))
+        else:
+            levels.append(_line("ok", g.label(), out))
+    return levels
+
+
+def check_host(out):
+    levels = []
+    cores = devices.cpu_count()
+    levels.append(_line("ok" if cores >= 2 else "warn",
+                        f"{cores} CPU core(s) available" + ("" if cores >= 2 else
+                        ": 2 CPU ranks will share one core; runs will be slow"), out))
+    if os.path.isdir("/dev/shm"):
+        shm = shutil.disk_usage("/dev/shm").total / 2 ** 30
+        levels.append(_line("ok" if shm >= 1 else "warn", f"/dev/shm {shm:.1f} GiB" + ("" if shm >= 1 else
+                            ": DataLoader workers and NCCL need more; in Docker use --shm-size=8g"), out))
+    try:
+        port = launch.free_port()
+        levels.append(_line("ok", f"a free rendezvous port on 127.0.0.1 (e.g. {port}); runs never "
+                                  f"use a fixed port", out))
+    except OSError as e:
+        levels.append(_line("fail", f"cannot bind a port on 127.0.0.1 ({e}); check the loopback interface", out))
+    left = procs.run_processes()
+    if left:
+        levels.append(_line("warn", f"{len(left)} process(es) of earlier ddp_lesson runs are still alive: "
+                                    f"run `python -m ddp_lesson cleanup`", out))
+    else:
+        levels.append(_line("ok", "no leftover processes of ddp_lesson runs", out))
+    return levels
+
+
+def check_allreduce(out, timeout=120):
+    gpus = devices.list_gpus()
+    kwargs = {"nproc": min(2, len(gpus))} if gpus else {"nproc": 2, "cpu": True}
+    with tempfile.TemporaryDirectory(prefix="ddp-lesson-doctor-") as tmp:
+        run = launch.start(SCRIPTS / "allreduce_check.py", run_dir=Path(tmp) / "run",
+                           timeout=timeout, label="doctor", **kwargs)
+        result = run.wait()
+        if result["status"] == "ok":
+            return [_line("ok", run.log_tail(0, 1) + f" in {result['duration_s']:.1f} s", out)]
+        return [_line("fail", f"2-rank all_reduce smoke test {result['status']}: "
+                              f"{result.get('message', '').splitlines()[0] if result.get('message') else ''} "
+                              f"(run `python -m ddp_lesson run` on a small script to see more)", out)]
+
+
+def main(out=sys.stdout):
+    print(f"ddp_lesson doctor on {socket.gethostname()} ({platform.platform()})", file=out)
+    levels = []
+    for check in (check_versions, check_gpus, check_host, check_allreduce):
+        try:
+            levels += check(out)
+        except Exception as e:  # a broken check must not hide the others
+            levels.append(_line("fail", f"{check.__name__} crashed: {type(e).__name__}: {e}", out))
+    fails, warns = levels.count("fail"), levels.count("warn")
+    print(f"{fails} failure(s), {warns} warning(s)", file=out)
+    return 1 if fails else 0
+
+
+def cleanup(dry_run=False, out=sys.stdout, grace=3.0):
+    """End every process of ddp_lesson runs that belongs to this user (found by the
+    DDP_LESSON_RUN_DIR in its environment; nothing else is touched)."""
+    found = procs.run_processes()
+    if not found:
+        print("no leftover processes of ddp_lesson runs", file=out)
+        return 0
+    by_run = {}
+    for p in found:
+        try:
+            by_run.setdefault(p.environ().get(procs.ENV_KEY), []).append(p)
+        except psutil.Error:
+            pass
+    for run_dir, ps in sorted(by_run.items()):
+        for p in ps:
+            try:
+                what = " ".join(p.cmdline()[-3:])
+            except psutil.Error:
+                what = "?"
+            print(f"{'would end' if dry_run else 'ending'} pid {p.pid} of run {run_dir}: ...{what}", file=out)
+    if dry_run:
+        return 0
+    procs.kill_all(found, signal.SIGTERM)
+    alive = procs.wait_gone(found, grace)
+    procs.kill_all(alive)
+    procs.wait_gone(alive, 5)
+    for run_dir in by_run:
+        if run_dir and (Path(run_dir) / "config.json").exists() and not (Path(run_dir) / "result.json").exists():
+            write_json(Path(run_dir) / "result.json", {"status": "interrupted", "returncode": None,
+                                                       "duration_s": None,
+                                                       "message": "Ended by `python -m ddp_lesson cleanup`."})
+    print(f"ended {len(found)} process(es) of {len(by_run)} run(s)", file=out)
+    return 0
