@@ -179,5 +179,9 @@ def tail_text(path, lines=20):
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    kept = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    # split on "\n" only: str.splitlines() also splits on "\r" and would keep every frame
+    parts = text.split("\n")
+    if parts and parts[-1] == "":
+        parts.pop()
+    kept = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in parts]
     return "\n".join(kept[-lines:])
