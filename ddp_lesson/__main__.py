@@ -44,6 +44,12 @@ def build_parser():
     sub.add_parser("doctor", help="check this machine before a workshop")
     clean = sub.add_parser("cleanup", help="stop leftover processes of ddp_lesson runs")
     clean.add_argument("--dry-run", action="store_true", help="only list them")
+    sl = sub.add_parser("slurm", help="print a Slurm sbatch script for a multi-node run of SCRIPT")
+    sl.add_argument("script")
+    sl.add_argument("--nodes", default=2, type=int, help="nodes (default 2)")
+    sl.add_argument("--gpus-per-node", default=4, type=int, help="GPUs (ranks) per node (default 4)")
+    sl.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
+    sl.add_argument("--partition", help="Slurm partition")
     return top
 
 
@@ -128,6 +134,11 @@ def main(argv=None):
         if a.command == "doctor":
             from . import doctor
             return doctor.main()
+        if a.command == "slurm":
+            from . import slurm
+            print(slurm.sbatch_script(a.script, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
+                                      args=script_args, time=a.time, partition=a.partition), end="")
+            return 0
         if a.command == "cleanup":
             from . import doctor
             return doctor.cleanup(dry_run=a.dry_run)
