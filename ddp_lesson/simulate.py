@@ -27,6 +27,9 @@ no CUDA streams, and both "devices" share the same CPU cores).
     dp = simulate.DataParallel(model, device_ids=[0, 1])
     out = dp(x)                  # same numbers as nn.DataParallel on two GPUs
     dp.last_trace                # chunk sizes, replicas used, bytes held per device
+
+The four functions have the signatures of torch.nn.parallel's scatter, replicate,
+parallel_apply and gather, so a lesson can call them step by step either way.
 """
 import copy
 import threading
@@ -124,13 +127,13 @@ def scatter_kwargs(inputs, kwargs, device_ids, dim=0):
     return tuple(scattered_inputs), tuple(scattered_kwargs)
 
 
-def replicate(module, n, detach=False):
-    """`n` replicas of `module`. Parameters become differentiable copies of the originals
+def replicate(module, devices, detach=False):
+    """One replica of `module` per entry of `devices` (same signature as torch's). Parameters become differentiable copies of the originals
     (DP's Broadcast: gradients flow back and are summed); buffers are detached copies,
     shared with the original on replica 0 (as DP's replica on device_ids[0] does)."""
     replicas = []
     originals = list(module.modules())
-    for j in range(n):
+    for j in range(len(devices)):
         replica = copy.deepcopy(module)
         for src, dst in zip(originals, replica.modules()):
             for key, p in list(src._parameters.items()):
@@ -147,7 +150,7 @@ def replicate(module, n, detach=False):
     return replicas
 
 
-def parallel_apply(replicas, inputs, kwargs_tup=None):
+def parallel_apply(replicas, inputs, kwargs_tup=None, devices=None):
     """Run replica i on inputs[i] in its own thread (DP's parallel_apply), keeping the
     caller's grad mode; re-raise the first exception in the caller."""
     kwargs_tup = kwargs_tup or tuple({} for _ in replicas)
@@ -180,7 +183,7 @@ def parallel_apply(replicas, inputs, kwargs_tup=None):
     return outputs
 
 
-def gather(outputs, dim=0):
+def gather(outputs, target_device=0, dim=0):
     """Concatenate the replicas' outputs along `dim` (recursing into dicts, lists and
     tuples). All-scalar outputs are unsqueezed into a vector, with DP's warning."""
 
@@ -235,12 +238,12 @@ class DataParallel(nn.Module):
         if len(self.device_ids) == 1:
             trace.replicas_used = 1
             return self.module(*inputs[0], **module_kwargs[0])
-        replicas = replicate(self.module, len(inputs))
-        outputs = parallel_apply(replicas, inputs, module_kwargs)
+        replicas = replicate(self.module, self.device_ids[: len(inputs)])
+        outputs = parallel_apply(replicas, inputs, module_kwargs, self.device_ids[: len(replicas)])
         trace.replicas_used = len(replicas)
         trace.scalar_outputs_unsqueezed = self.dim == 0 and all(
             isinstance(o, torch.Tensor) and o.dim() == 0 for o in outputs)
-        result = gather(outputs, self.dim)
+        result = gather(outputs, self.output_device, self.dim)
         _account(trace, self.module, inputs, module_kwargs, outputs, result, self.device_ids)
         return result
 

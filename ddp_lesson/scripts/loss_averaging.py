@@ -1,0 +1,117 @@
+"""Per-rank loss beside the reduced loss, and accuracy counted right (lesson 02).
+
+    torchrun --standalone --nproc-per-node 2 loss_averaging.py --epochs 1
+
+Each rank logs its own loss every step. After backward, the loss is all-reduced FOR THE LOG
+ONLY (DDP already averaged the gradients; the loss that went into backward is untouched).
+Accuracy: each rank counts correct answers and samples; the counts are summed over ranks,
+then divided. The seed's way (divide by the padded DistributedSampler total_size) is logged
+beside it as accuracy_padded, to compare.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_lesson import data, metrics, models
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32, help="per process")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--n-train", type=int, default=2048)
+    p.add_argument("--n-test", type=int, default=1003, help="not a multiple of most world sizes")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def count_correct(model, loader, device):
+    """[correct, seen] on this rank, as a tensor ready for all_reduce."""
+    counts = torch.zeros(2, device=device)
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            counts[0] += (model(x).argmax(1) == y).sum()
+            counts[1] += len(y)
+    return counts
+
+
+@record
+def main():
+    args = parse_args()
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    torch.manual_seed(args.seed)
+
+    train_set = data.shapes(args.n_train, seed=0)
+    test_set = data.shapes(args.n_test, seed=1)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    # drop_last=True: every rank's batch has the same size, so DDP's average is exact
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+    model = models.SmallCNN(norm=False, width=8).to(device)
+    model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            loss = F.cross_entropy(model(x), y)    # this rank's mean over its own batch
+            opt.zero_grad(set_to_none=True)
+            loss.backward()                        # DDP averages the gradients here
+            opt.step()
+            step += 1
+            metrics.log(step, loss=loss.item())    # one row per rank: the per-rank curves
+
+            # For the log only: a copy of the loss, averaged over ranks after backward.
+            reduced = loss.detach().clone()
+            dist.all_reduce(reduced)
+            reduced /= world
+            if rank == 0:
+                metrics.log(step, loss_reduced=reduced.item())
+                print(f"step {step}: rank-0 loss {loss.item():.3f}, reduced {reduced.item():.3f}",
+                      flush=True)
+
+    # Accuracy, counted right: every test sample exactly once (an unpadded shard per rank),
+    # counts summed over ranks, then one division. model.module: no DDP collectives here,
+    # so shards of different sizes are fine.
+    shard = Subset(test_set, range(rank, len(test_set), world))
+    counts = count_correct(model.module, DataLoader(shard, batch_size=256), device)
+    dist.all_reduce(counts)
+    correct, total = counts.tolist()
+
+    # The seed's way: a padded DistributedSampler, divided by its total_size.
+    padded = DistributedSampler(test_set, shuffle=False)
+    padded_counts = count_correct(model.module, DataLoader(test_set, batch_size=256, sampler=padded),
+                                  device)
+    dist.all_reduce(padded_counts)
+    accuracy_padded = padded_counts[0].item() / padded.total_size
+
+    if rank == 0:
+        metrics.log(step, accuracy=correct / total, correct=int(correct), total=int(total),
+                    accuracy_padded=accuracy_padded, padded_total=padded.total_size)
+        print(f"test accuracy {correct / total:.4f} ({int(correct)}/{int(total)}); "
+              f"seed's padded way {accuracy_padded:.4f} over {padded.total_size}", flush=True)
+        run_dir = os.environ.get("DDP_LESSON_RUN_DIR")
+        if run_dir:  # so the notebook can check the accuracy on one process
+            torch.save(model.module.state_dict(), os.path.join(run_dir, "model.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
