@@ -347,14 +347,19 @@ class RunPanel:
         with self._lock:
             if run is not self.last_run or run.result is None:
                 return
-            self._tick(run, final=True)
-            res = run.result
-            self._set_status(res["status"], self._result_text(res))
-            log = run.log_tail(lines=LOG_LINES)
-            if res["status"] == "failed":
-                log = (log + "\n\n" if log else "") + res.get("message", "")
-            self._set_log(log)
-            self._set_busy(False)
+            try:
+                self._tick(run, final=True)
+            finally:  # whatever the plot did, the buttons and status must be right
+                self._show_result(run)
+
+    def _show_result(self, run):
+        res = run.result
+        self._set_status(res["status"], self._result_text(res))
+        log = run.log_tail(lines=LOG_LINES)
+        if res["status"] == "failed":
+            log = (log + "\n\n" if log else "") + res.get("message", "")
+        self._set_log(log)
+        self._set_busy(False)
 
     def _maybe_draw(self, run, final):
         points = self._live.points()

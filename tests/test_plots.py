@@ -1,0 +1,127 @@
+"""Static plots from run directories, and the drawing the live panel shares with them."""
+import json
+import time
+
+import pytest
+from matplotlib.figure import Figure
+
+from ddp_lesson import plots
+from ddp_lesson.runs import write_json
+
+
+def make_run(path, rows, status="ok", duration=10.0, nproc=2, label=None):
+    """A finished run directory as launch.start would leave it."""
+    (path / "metrics").mkdir(parents=True)
+    (path / "logs").mkdir()
+    write_json(path / "config.json", {"label": label or path.name, "nproc": nproc,
+                                      "world_size": nproc, "start_unix": 1000.0})
+    write_json(path / "result.json", {"status": status, "returncode": 0, "duration_s": duration})
+    by_rank = {}
+    for r in rows:
+        by_rank.setdefault(r["rank"], []).append(r)
+    for rank, rs in by_rank.items():
+        with open(path / "metrics" / f"rank{rank}.jsonl", "w") as f:
+            for r in rs:
+                f.write(json.dumps(r) + "\n")
+    return path
+
+
+def two_rank_rows(steps=5, offset=0.0):
+    rows = []
+    for s in range(1, steps + 1):
+        rows.append({"rank": 0, "step": s, "time": 1000.0 + s, "loss": 2.0 / s + offset})
+        rows.append({"rank": 1, "step": s, "time": 1000.0 + s + 0.5, "loss": 4.0 / s + offset})
+    rows.append({"rank": 0, "step": steps, "time": 1000.0 + steps + 1, "accuracy": 0.5})
+    rows.append({"rank": 1, "step": steps, "time": 1000.0 + steps + 1, "accuracy": 0.5})
+    return rows
+
+
+def lines_by_label(ax):
+    return {line.get_label(): line for line in ax.get_lines()}
+
+
+def test_series_mean_is_per_step_over_ranks():
+    per_rank, (mx, my) = plots.series(two_rank_rows(3), "loss")
+    assert sorted(per_rank) == [0, 1]
+    assert mx == [1, 2, 3]
+    assert my == pytest.approx([3.0, 1.5, 1.0])
+    # against time the mean sits at the ranks' mean time, counted from the first row
+    _, (tx, _) = plots.series(two_rank_rows(3), "loss", x="time")
+    assert tx == pytest.approx([0.25, 1.25, 2.25])
+
+
+def test_plot_run_draws_each_rank_and_the_mean(tmp_path):
+    run = make_run(tmp_path / "a", two_rank_rows(4))
+    fig = plots.plot_run(run)
+    assert isinstance(fig, Figure)
+    loss_ax, acc_ax = fig.axes
+    lines = lines_by_label(loss_ax)
+    assert set(lines) == {"rank 0", "rank 1", "mean over ranks"}
+    assert list(lines["mean over ranks"].get_ydata()) == pytest.approx([3.0, 1.5, 1.0, 0.75])
+    assert loss_ax.get_xlabel() == "step" and loss_ax.get_ylabel() == "training loss"
+    assert acc_ax.get_ylabel() == "test accuracy"
+    assert loss_ax.get_legend() is not None
+    assert "ok" in fig._suptitle.get_text()
+    assert plots.to_png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_run_leaves_out_metrics_nobody_logged(tmp_path):
+    rows = [r for r in two_rank_rows(3) if "loss" in r]
+    fig = plots.plot_run(make_run(tmp_path / "a", rows), metrics=("loss", "accuracy"))
+    assert len(fig.axes) == 1
+
+
+def test_compare_runs_puts_runs_on_one_axes(tmp_path):
+    a = make_run(tmp_path / "a", two_rank_rows(4))
+    b = make_run(tmp_path / "b", two_rank_rows(4, offset=1.0), status="failed")
+    fig = plots.compare_runs([a, b], metric="loss", labels=["plain", "sync-bn"])
+    (ax,) = fig.axes
+    lines = lines_by_label(ax)
+    assert set(lines) == {"plain", "sync-bn (failed)"}
+    assert list(lines["sync-bn (failed)"].get_ydata()) == pytest.approx([4.0, 2.5, 2.0, 1.75])
+    with pytest.raises(ValueError):
+        plots.compare_runs([a, b], labels=["one"])
+
+
+def test_speedup_bars_from_seconds_and_from_runs(tmp_path):
+    fig = plots.speedup_bars({"1 GPU": 20.0, "2 GPUs": 12.5, "4 GPUs": 8.0})
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    assert heights == pytest.approx([1.0, 1.6, 2.5])
+    a = make_run(tmp_path / "a", two_rank_rows(2), duration=30.0, nproc=1)
+    b = make_run(tmp_path / "b", two_rank_rows(2), duration=20.0, nproc=2)
+    fig = plots.speedup_bars([a, b], labels=["1 process", "2 processes"])
+    ax = fig.axes[0]
+    assert [p.get_height() for p in ax.patches] == pytest.approx([1.0, 1.5])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1 process", "2 processes"]
+    assert "ideal (linear)" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_redraw_reuses_lines_and_thins_long_curves():
+    fig, (ax,) = plots.new_figure(1)
+    rows = two_rank_rows(40)
+    plots.draw_metric(ax, rows, "loss")
+    first = list(ax.get_lines())
+    more = rows + [{"rank": r, "step": s, "time": 2000.0 + s, "loss": 0.1}
+                   for s in range(41, 5000) for r in (0, 1)]
+    plots.draw_metric(ax, more, "loss", max_points=500)
+    assert list(ax.get_lines()) == first  # same artists, new data
+    mean = lines_by_label(ax)["mean over ranks"]
+    assert len(mean.get_xdata()) <= 501 and mean.get_xdata()[-1] == 4999
+
+
+def test_live_plot_redraw_of_10000_points_is_fast():
+    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s}
+            for s in range(1, 5001) for r in (0, 1)]
+    live = plots.LivePlot(("loss", "accuracy"))
+    live.add(rows)
+    assert live.points() == 10_000
+    live.render("warm-up")
+    best = min(_timed(live.render, "run: running") for _ in range(3))
+    # the goal is < 0.1 s (bench/panel_overhead.py prints it); loose here for busy machines
+    assert best < 0.5, f"a redraw of 10,000 points took {best * 1000:.0f} ms"
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    assert fn(*args)[:4] == b"\x89PNG"
+    return time.perf_counter() - t

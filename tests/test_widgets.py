@@ -1,0 +1,214 @@
+"""The device picker and the run panel, driven like a learner would (values, .click()),
+with real torchrun runs on 2 CPU ranks, and once headless in a kernel via nbclient."""
+import os
+from pathlib import Path
+
+import ipywidgets as W
+import pytest
+
+from ddp_lesson import BadInput, procs, widgets
+from ddp_lesson.devices import GPU
+from ddp_lesson.widgets import DevicePicker, RunPanel, option_args
+
+from conftest import REPO, wait_until
+
+TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
+OPTIONS = {"epochs": 1, "batch-size": 64, "lr": 0.05, "sync-bn": False}
+
+# Pure Python ranks (no torch import, so they start fast): log a metric row and a line
+# of output every 50 ms, until stopped.
+LOOP = """
+import os, time
+from ddp_lesson import metrics
+rank = int(os.environ["RANK"])
+for step in range(1, 100000):
+    metrics.log(step, loss=1.0 / step)
+    if rank == 0:
+        print(f"step {step}", flush=True)
+    time.sleep(0.05)
+"""
+
+FAILING = """
+import os, time
+from ddp_lesson import metrics
+rank = int(os.environ["RANK"])
+metrics.log(1, loss=1.0)
+if rank == 1:
+    time.sleep(0.5)
+    raise RuntimeError("boom from rank 1")
+print("rank 0 waits for rank 1", flush=True)
+time.sleep(60)
+"""
+
+
+# -- device picker ----------------------------------------------------------------------
+def test_picker_without_gpus_asks_for_cpu_processes():
+    picker = DevicePicker(gpus=[])
+    assert picker.selection() == {"nproc": 2}
+    assert picker.nproc.max >= 4
+    picker.nproc.value = 3
+    assert picker.selection() == {"nproc": 3}
+    note = picker.widget.children[0].children[1]
+    assert "CPU processes" in note.value and "gloo" in note.value
+
+
+def test_picker_with_gpus_skips_busy_ones_and_offers_cpu():
+    gpus = [GPU(0, "A100", 81920, 10), GPU(1, "A100", 81920, 30000, processes=[(123, 30000)]),
+            GPU(2, "A100", 81920, 10)]
+    picker = DevicePicker(gpus=gpus)
+    assert [b.description for b in picker.boxes][1].endswith("in use by 1 process(es)")
+    assert picker.selection() == {"gpus": [0, 2]}  # the busy GPU starts unticked
+    picker.boxes[1].value = True
+    picker.boxes[2].value = False
+    assert picker.selection() == {"gpus": [0, 1]}
+    picker.use_cpu.value = True
+    assert picker.selection() == {"cpu": True, "nproc": 2}
+    assert all(b.disabled for b in picker.boxes)
+    picker.disabled = True
+    picker.disabled = False
+    assert all(b.disabled for b in picker.boxes)  # still CPU mode
+
+
+def test_all_busy_gpus_start_ticked():
+    gpus = [GPU(i, "T4", 15360, 9000, processes=[(1, 9000)]) for i in range(2)]
+    assert DevicePicker(gpus=gpus).selection() == {"gpus": [0, 1]}
+
+
+# -- options ----------------------------------------------------------------------------
+def test_options_get_widgets_of_their_type_and_become_arguments(tmp_path):
+    panel = RunPanel(TRAIN, options=OPTIONS, picker=DevicePicker(gpus=[]), runs_base=tmp_path)
+    kinds = {name: type(w) for name, w in panel.inputs.items()}
+    assert kinds == {"epochs": W.IntText, "batch-size": W.IntText, "lr": W.FloatText,
+                     "sync-bn": W.Checkbox}
+    assert option_args(panel.values()) == ["--epochs", "1", "--batch-size", "64", "--lr", "0.05"]
+    panel.inputs["sync-bn"].value = True
+    assert option_args(panel.values())[-1] == "--sync-bn"
+    assert option_args({"name": "x", "off": None}) == ["--name", "x"]
+
+
+def test_bad_input_shows_one_sentence_and_starts_nothing(tmp_path):
+    base = tmp_path / "runs"
+    panel = RunPanel(tmp_path / "missing.py", options=OPTIONS, picker=DevicePicker(gpus=[]),
+                     runs_base=base)
+    panel.run_button.click()
+    assert panel.status == "bad input"
+    assert "missing.py does not exist" in panel.status_text
+    assert panel.last_run is None and panel.runs == [] and not base.exists()
+    with pytest.raises(BadInput, match="does not exist"):
+        panel.wait()
+
+    panel = RunPanel(TRAIN, options=OPTIONS, picker=DevicePicker(gpus=[]), runs_base=base)
+    assert panel.run(epoch=3) is None
+    assert "no option 'epoch'" in panel.status_text
+    assert panel.run(batch_size=0.5) is None  # a whole-number box
+    assert "batch-size" in panel.status_text
+    assert panel.last_run is None and not base.exists()
+
+
+# -- real runs ----------------------------------------------------------------------------
+@pytest.fixture
+def shown(monkeypatch):
+    """Record what the panel sends to the notebook: display() and update_display()."""
+    sent = {"display": [], "update": []}
+    monkeypatch.setattr(widgets, "display", lambda obj, **kw: sent["display"].append((obj, kw)))
+    monkeypatch.setattr(widgets, "update_display", lambda obj, **kw: sent["update"].append((obj, kw)))
+    return sent
+
+
+def test_run_button_trains_to_completion_and_the_plot_follows(tmp_path, shown):
+    panel = RunPanel(TRAIN, options=OPTIONS, picker=DevicePicker(gpus=[]), runs_base=tmp_path,
+                     label="panel-ok")
+    panel._ipython_display_()
+    (_, first), = [d for d in shown["display"] if d[1].get("display_id")]
+    display_id = first["display_id"]
+    # nobody calls wait(): the click path must keep the panel up to date by itself
+    panel.run_button.click()
+    assert panel.status == "running"
+    assert panel.run_button.disabled and not panel.stop_button.disabled
+    assert wait_until(lambda: panel.status != "running", timeout=150), panel.status_text
+    assert panel.status == "ok", panel.status_text + "\n" + panel.log_text
+    assert panel.status_text.startswith("Finished ok")
+    assert not panel.run_button.disabled and panel.stop_button.disabled
+    assert panel.result["status"] == "ok"
+    assert panel.runs == [panel.run_dir] and panel.run_dir.parent == tmp_path
+    assert "test accuracy" in panel.log_text  # rank 0's stdout tail
+    # the plot: updates of the one display, the last one the final static figure
+    assert shown["update"] and all(kw == {"display_id": display_id} for _, kw in shown["update"])
+    assert panel.frames == len(shown["update"])
+    final = shown["update"][-1][0]
+    assert final.data == panel.png and panel.png[:4] == b"\x89PNG"
+    assert "panel-ok: ok" in panel._live._title
+    assert panel._live.points() == len(panel.last_run.rows) > 10
+
+
+def test_stop_and_interrupt_end_every_process(tmp_path, write_script, monkeypatch):
+    script = write_script("loop.py", LOOP)
+    panel = RunPanel(script, options={}, picker=DevicePicker(gpus=[]), runs_base=tmp_path)
+
+    # Interrupt (the notebook's stop button) while wait() runs: the run is stopped first
+    run = panel.run()
+    assert wait_until(lambda: len(run.metrics()) or run.rows, timeout=60)
+    real_tick = panel._tick
+    def tick(*a, **kw):  # Ctrl-C lands while the panel polls, once
+        monkeypatch.setattr(panel, "_tick", real_tick)
+        real_tick(*a, **kw)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(panel, "_tick", tick)
+    with pytest.raises(KeyboardInterrupt):
+        panel.wait()
+    assert panel.status == "interrupted", panel.status_text
+    assert procs.run_processes(run.run_dir) == []
+
+    # the Stop button, on a second run from the same panel
+    run2 = panel.run()
+    assert run2 is not None and run2.run_dir != run.run_dir
+    assert wait_until(lambda: "step" in panel.log_text, timeout=60), panel.log_text
+    assert panel.run() is None and "already going" in panel.status_text
+    panel.stop_button.click()
+    assert wait_until(lambda: panel.status == "interrupted", timeout=60), panel.status_text
+    assert panel.status_text.startswith("Interrupted")
+    assert procs.run_processes(run2.run_dir) == []
+    assert run2.result["status"] == "interrupted"
+    assert not panel.run_button.disabled
+    assert panel.runs == [run.run_dir, run2.run_dir]
+
+
+def test_failing_rank_traceback_reaches_the_panel(tmp_path, write_script):
+    script = write_script("fails.py", FAILING)
+    panel = RunPanel(script, options={}, picker=DevicePicker(gpus=[]), runs_base=tmp_path)
+    panel.run()
+    result = panel.wait(timeout=120)
+    assert result is not None and result["status"] == "failed"
+    assert result["failure"]["rank"] == 1
+    assert panel.status == "failed"
+    assert "rank 1" in panel.status_text and "boom from rank 1" in panel.status_text
+    assert "Traceback" in panel.log_text and "RuntimeError: boom from rank 1" in panel.log_text
+    assert "rank 0 waits for rank 1" in panel.log_text  # rank 0's stdout tail, too
+
+
+# -- headless, in a real kernel -------------------------------------------------------------
+def test_headless_notebook_keeps_one_plot_output(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from ddp_lesson.widgets import RunPanel\n"
+            f"panel = RunPanel({str(TRAIN)!r}, options={{'epochs': 1}}, runs_base={str(tmp_path)!r})\n"
+            "panel"),
+        nbformat.v4.new_code_cell(
+            "run = panel.run()\n"
+            "result = panel.wait()\n"
+            "assert result['status'] == 'ok', panel.status_text\n"
+            "print('frames', panel.frames)"),
+    ]
+    client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
+                                     resources={"metadata": {"path": str(REPO)}})
+    client.execute()
+    panel_cell, wait_cell = nb.cells
+    kinds = [sorted(o.get("data", {})) for o in panel_cell.outputs]
+    assert kinds == [["application/vnd.jupyter.widget-view+json", "text/plain"],
+                     ["image/png", "text/plain"]], kinds  # one plot, however many frames
+    frames = int(wait_cell.outputs[-1]["text"].split()[-1])
+    assert frames >= 2  # so the one output really was updated in place
+    assert not any("image/png" in o.get("data", {}) for o in wait_cell.outputs)
