@@ -1,0 +1,30 @@
+"""Every benchmark that takes --quick runs to the end as a subprocess and prints ratios.
+Found by glob, so benches added later are covered too."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MINE = {"allreduce_bandwidth.py", "scaling.py", "ddp_knobs.py"}
+BENCHES = sorted(p for p in (REPO / "bench").glob("*.py") if "--quick" in p.read_text())
+
+
+def test_found_mine():
+    names = {p.name for p in BENCHES}
+    assert MINE <= names
+
+
+@pytest.mark.parametrize("bench", BENCHES, ids=[p.stem for p in BENCHES])
+def test_quick(bench, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_LESSON_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["DDP_LESSON_RUNS"] = str(tmp_path / "runs")  # run directories go to the test's temp folder
+    out = subprocess.run([sys.executable, str(bench), "--quick"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"{bench.name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    assert out.stdout.strip(), "the bench printed nothing"
+    if bench.name in MINE:
+        assert "ratio:" in out.stdout, out.stdout
