@@ -41,7 +41,14 @@ def root_cause(run_dir):
     agent = _agent_root_cause(logs / "agent.log")
     if errors:
         latest = max(e.get("restart", 0) for e in errors)
-        first = min((e for e in errors if e.get("restart", 0) == latest), key=lambda e: e["time"])
+        errors = [e for e in errors if e.get("restart", 0) == latest]
+    if agent and agent[1] != -15 and agent[0] not in {e["rank"] for e in errors}:
+        # The first rank torchrun saw fail died without a Python exception (a signal such
+        # as -9, or os._exit): the errors the other ranks raised (peer connection closed)
+        # are consequences of it, not the cause.
+        errors = []
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
         exitcode = agent[1] if agent and agent[0] == first["rank"] else 1
         tb = first.get("traceback") or tail_text(logs / f"rank{first['rank']}.stderr.log", 30)
         return {"rank": first["rank"], "exitcode": exitcode, "message": first["message"], "traceback": tb}

@@ -1,0 +1,107 @@
+"""Shared fixtures for the test suite: small and generic.
+
+- `tmp_run_dir`: a path for a run directory that does not exist yet (inside tmp_path).
+- `write_script`: writes a Python script into tmp_path and returns its path.
+- `repo_env`: an environment for child processes that can import ddp_lesson from this
+  checkout, without any DDP_LESSON_* variables inherited from the caller.
+- `no_leftover_processes` (autouse): after every test, no process whose
+  DDP_LESSON_RUN_DIR lies under this session's pytest temp folder may still be alive
+  (waits a few seconds for them to go, then kills them and fails the test).
+  Processes are matched by the run directory in their environment, never by name, so
+  other people's runs on the same machine are never touched.
+"""
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+ENV_KEY = "DDP_LESSON_RUN_DIR"
+
+
+def _processes_under(base):
+    base = os.path.abspath(base) + os.sep
+    me = os.getpid()
+    found = []
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            value = p.environ().get(ENV_KEY)
+            if value and (os.path.abspath(value) + os.sep).startswith(base) \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def processes_under(base):
+    """Live processes whose DDP_LESSON_RUN_DIR is `base` or below it."""
+    return _processes_under(base)
+
+
+def wait_until(predicate, timeout, interval=0.05):
+    """Poll `predicate` until it returns something truthy (returned) or `timeout` passes (None)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            return None
+        time.sleep(interval)
+
+
+def child_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_LESSON_")}
+    env.pop("MASTER_PORT", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def cli(*args):
+    """argv for the command line in a fresh interpreter."""
+    return [sys.executable, "-m", "ddp_lesson", *map(str, args)]
+
+
+@pytest.fixture
+def tmp_run_dir(tmp_path):
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def write_script(tmp_path):
+    def write(name, source):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+    return write
+
+
+@pytest.fixture
+def repo_env():
+    return child_env()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(tmp_path_factory):
+    yield
+    base = tmp_path_factory.getbasetemp()
+    left = wait_until(lambda: not _processes_under(base), timeout=10, interval=0.2)
+    if left is None:
+        stragglers = _processes_under(base)
+        desc = [(p.pid, " ".join(p.cmdline()[:6])) for p in stragglers if psutil.pid_exists(p.pid)]
+        for p in stragglers:  # ours: their run directory is in our temp folder
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"processes of a run were left behind: {desc}")

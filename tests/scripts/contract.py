@@ -1,0 +1,35 @@
+"""Writes metrics, prints its environment, then (with --gate PATH) waits until PATH
+exists before finishing, so a test can read metrics while the run is still going.
+Uses ddp_lesson.metrics and ddp_lesson.dist, and must also run under plain torchrun
+(no launcher, no DDP_LESSON_RUN_DIR)."""
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ddp_lesson import dist as dl
+from ddp_lesson import metrics
+
+p = argparse.ArgumentParser()
+p.add_argument("--gate", default="")
+p.add_argument("--steps", type=int, default=3)
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(args.steps):
+    loss = dl.reduce_mean(torch.tensor(float(rank + step)))
+    metrics.log(step, loss=loss, accuracy=0.5 + 0.1 * step)
+dl.print0(f"world size {dl.world_size()}")
+print("env " + json.dumps({k: os.environ.get(k) for k in
+                           ("RANK", "DDP_LESSON_RUN_DIR", "MASTER_PORT", "WORLD_SIZE")}), flush=True)
+if args.gate:
+    deadline = time.time() + 60
+    while not os.path.exists(args.gate) and time.time() < deadline:
+        time.sleep(0.05)
+metrics.log(args.steps, loss=0.0, accuracy=1.0)
+dist.barrier()
+dist.destroy_process_group()

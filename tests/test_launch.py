@@ -1,0 +1,321 @@
+"""Reliability of the launcher (`ddp_lesson.launch`) with real torchrun process trees.
+
+Every test starts a real `torchrun` with 2 gloo ranks on CPU and checks what a learner
+relies on:
+
+- the run directory contract: config.json, script.py, logs/, metrics/rank<R>.jsonl,
+  result.json, and DDP_LESSON_RUN_DIR (absolute) in every rank's environment;
+- metric rows can be read with `Run.metrics()` while the run is still going;
+- a run works although port 29500 is taken and MASTER_PORT=29500 is in the environment;
+- `Run.stop()` and an interrupt during `Run.wait()` (what a notebook's stop button does)
+  end every process of the run within 10 s, with status `interrupted`;
+- when the launching process is SIGKILLed (a Jupyter kernel restart), the agent and every
+  rank end by themselves within 10 s;
+- a rank killed by SIGKILL is reported as such, with the likely cause (memory);
+- with `max_restarts=1` a run whose rank dies once resumes from its checkpoint and
+  completes.
+
+The autouse fixture in conftest.py also fails any test that leaves a process of its runs
+behind. Failures printed by the command line (`run` exit codes) are in test_cli.py.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, SCRIPTS, child_env, processes_under, wait_until
+from ddp_lesson import launch, procs, runs
+
+TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
+
+
+def ranks_ready(run_dir, nproc=2, word="ready"):
+    """True once every rank's stdout log contains `word`."""
+    def check():
+        for r in range(nproc):
+            log = run_dir / "logs" / f"rank{r}.stdout.log"
+            if not log.exists() or word not in log.read_text(errors="replace"):
+                return False
+        return True
+    return check
+
+
+def all_gone(pids):
+    return not [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+
+
+def _not_zombie(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_pids(run):
+    """Everything of a run alive now: the agent's tree and the processes carrying its run dir."""
+    return set(run.pids()) | {p.pid for p in procs.run_processes(run.run_dir)}
+
+
+def hold_port(port=29500):
+    """Bind (and listen on) 0.0.0.0:port and 127.0.0.1:port where possible."""
+    held = []
+    for host in ("0.0.0.0", "127.0.0.1"):
+        s = socket.socket()
+        try:
+            s.bind((host, port))
+            s.listen()
+            held.append(s)
+        except OSError:
+            s.close()
+    return held
+
+
+# -- one successful run serves the contract checks ------------------------------------------
+
+@pytest.fixture(scope="module")
+def contract_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("contract")
+    gate = base / "gate"
+    held = hold_port(29500)  # none held: something else has it already, just as good
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MASTER_PORT", "29500")
+        run = launch.start(SCRIPTS / "contract.py", nproc=2, run_dir=base / "run",
+                           args=["--gate", gate, "--steps", "3"])
+        try:
+            # while the ranks wait at the gate, the first 3 steps of each rank are readable
+            live = []
+            end = time.monotonic() + 60
+            while len(live) < 6 and time.monotonic() < end and not run.done():
+                live += run.metrics()
+                time.sleep(0.1)
+            status_while_reading = run.status
+            gate.touch()
+            result = run.wait(timeout=60)
+            late = run.metrics()
+        finally:
+            run.stop()
+            for s in held:
+                s.close()
+    return {"run": run, "live": live, "late": late, "result": result,
+            "status_while_reading": status_while_reading, "ports_held": len(held)}
+
+
+@pytest.mark.timeout(120)
+def test_run_ok_although_port_29500_is_taken(contract_run):
+    run = contract_run["run"]
+    assert contract_run["result"] is not None, "the run did not finish within 60 s"
+    assert run.status == "ok", run.result
+    assert run.result["returncode"] == 0
+    env = json.loads(run.log_tail(0, lines=50).split("env ", 1)[1].splitlines()[0])
+    assert env["MASTER_PORT"] != "29500"
+
+
+@pytest.mark.timeout(120)
+def test_metrics_readable_while_the_run_goes(contract_run):
+    live = contract_run["live"]
+    assert contract_run["status_while_reading"] == "running"
+    assert len(live) == 6, live
+    assert sorted((r["rank"], r["step"]) for r in live) == [(r, s) for r in (0, 1) for s in range(3)]
+    assert [r["time"] for r in live] == sorted(r["time"] for r in live)
+    # the rows written after the gate come with the next call, and nothing twice
+    late = contract_run["late"]
+    assert sorted((r["rank"], r["step"]) for r in late) == [(0, 3), (1, 3)]
+    assert contract_run["run"].rows == live + late
+
+
+@pytest.mark.timeout(120)
+def test_run_directory_contract(contract_run):
+    run = contract_run["run"]
+    d = run.run_dir
+    assert d.is_absolute()
+    config = json.loads((d / "config.json").read_text())
+    for key in ("script", "nproc", "devices", "backend", "args", "versions", "start_time"):
+        assert key in config, key
+    assert config["script"] == str(SCRIPTS / "contract.py")
+    assert config["nproc"] == 2 and config["backend"] == "gloo" and config["devices"] == "cpu"
+    assert config["args"][0] == "--gate" and config["args"][2:] == ["--steps", "3"]
+    assert config["versions"]["torch"] and config["versions"]["python"]
+    assert (d / "script.py").read_bytes() == (SCRIPTS / "contract.py").read_bytes()
+    for r in (0, 1):
+        for stream in ("stdout", "stderr"):
+            assert (d / "logs" / f"rank{r}.{stream}.log").is_file()
+        out = (d / "logs" / f"rank{r}.stdout.log").read_text()
+        env = json.loads(out.split("env ", 1)[1].splitlines()[0])
+        assert env["RANK"] == str(r)
+        assert env["DDP_LESSON_RUN_DIR"] == str(d)  # absolute, in every rank
+        assert env["WORLD_SIZE"] == "2"
+    assert "world size 2" in (d / "logs" / "rank0.stdout.log").read_text()
+    assert "world size" not in (d / "logs" / "rank1.stdout.log").read_text()  # print0
+    start = config["start_unix"]
+    for r in (0, 1):
+        rows = [json.loads(line) for line in (d / "metrics" / f"rank{r}.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows] == [0, 1, 2, 3]
+        for row in rows:
+            assert row["rank"] == r
+            assert start - 1 < row["time"] < time.time()
+            assert isinstance(row["loss"], float) and "accuracy" in row
+    result = json.loads((d / "result.json").read_text())
+    assert result["status"] == "ok" and result["returncode"] == 0
+    assert 0 < result["duration_s"] < 120
+    assert "failure" not in result
+    record = runs.load(d)
+    assert record.status == "ok" and record.ranks() == [0, 1]
+    assert record.series("accuracy", rank=1)[-1] == (3, 1.0)
+
+
+# -- stopping --------------------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_stop_ends_every_process_within_10_s(tmp_run_dir):
+    run = launch.start(SCRIPTS / "sleeper.py", nproc=2, run_dir=tmp_run_dir)
+    try:
+        assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
+        pids = run_pids(run)
+        assert len(pids) >= 3  # agent + 2 ranks
+        t0 = time.monotonic()
+        result = run.stop()
+        gone = wait_until(lambda: all_gone(pids), 10 - (time.monotonic() - t0))
+        elapsed = time.monotonic() - t0
+    finally:
+        run.stop()
+    print(f"stop(): every process gone after {elapsed:.2f} s")
+    assert gone, f"still alive 10 s after stop(): {[p for p in pids if psutil.pid_exists(p)]}"
+    assert result["status"] == "interrupted" and run.status == "interrupted"
+    assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"
+    assert not procs.run_processes(tmp_run_dir)
+
+
+@pytest.mark.timeout(90)
+def test_interrupt_during_wait_stops_the_run(tmp_run_dir):
+    """A notebook's Interrupt button raises KeyboardInterrupt in the kernel's main thread."""
+    run = launch.start(SCRIPTS / "sleeper.py", nproc=2, run_dir=tmp_run_dir)
+    seen = {}
+
+    def interrupter():
+        if wait_until(ranks_ready(tmp_run_dir), 60):
+            seen["pids"] = run_pids(run)
+            seen["t0"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGINT)
+
+    t = threading.Thread(target=interrupter, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run.wait(timeout=70)
+        elapsed = time.monotonic() - seen["t0"]
+        gone = wait_until(lambda: all_gone(seen["pids"]), max(0.0, 10 - elapsed))
+        elapsed = time.monotonic() - seen["t0"]
+    finally:
+        run.stop()
+    print(f"KeyboardInterrupt in wait(): every process gone after {elapsed:.2f} s")
+    assert gone and elapsed < 10
+    assert run.status == "interrupted"
+    assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"
+
+
+LAUNCHER = """
+import sys, time
+from ddp_lesson import launch
+run = launch.start(sys.argv[1], nproc=2, run_dir=sys.argv[2])
+print(run.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_killed_launcher_leaves_nothing_behind(tmp_run_dir, tmp_path):
+    """A Jupyter kernel restart SIGKILLs the kernel; nothing forwards it to torchrun."""
+    out = open(tmp_path / "launcher.out", "w+")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(SCRIPTS / "sleeper.py"),
+                                 str(tmp_run_dir)], env=child_env(), stdout=out,
+                                stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
+        agent = int((tmp_path / "launcher.out").read_text().split()[0])
+        pids = {p.pid for p in procs.tree(agent)} | {p.pid for p in procs.run_processes(tmp_run_dir)}
+        assert agent in pids and len(pids) >= 3
+        t0 = time.monotonic()
+        launcher.kill()
+        launcher.wait()
+        gone = wait_until(lambda: all_gone(pids) and not procs.run_processes(tmp_run_dir), 10)
+        elapsed = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for p in processes_under(tmp_run_dir):
+            p.kill()
+        out.close()
+    print(f"launcher SIGKILLed: agent and ranks gone after {elapsed:.2f} s")
+    assert gone, f"alive 10 s after the launcher died: {[p for p in pids if _not_zombie(p)]}"
+
+
+# -- failures --------------------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_rank_killed_by_sigkill_is_explained(tmp_run_dir):
+    run = launch.start(SCRIPTS / "killed.py", nproc=2, run_dir=tmp_run_dir)
+    try:
+        result = run.wait(timeout=60)
+    finally:
+        run.stop()
+    assert result is not None, "the run did not end within 60 s"
+    assert result["status"] == "failed" and result["returncode"] == 1
+    failure = result["failure"]
+    assert failure["rank"] == 1 and failure["exitcode"] == -9, failure
+    assert "memory" in result["message"] and "Rank 1" in result["message"]
+    assert json.loads((tmp_run_dir / "result.json").read_text())["failure"]["exitcode"] == -9
+
+
+# -- elastic restart -------------------------------------------------------------------------
+
+def _rank_process(run_dir, rank):
+    for p in procs.run_processes(run_dir):
+        try:
+            env = p.environ()
+            if env.get("RANK") == str(rank) and env.get("DDP_LESSON_RUN_DIR") == str(run_dir) \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.mark.timeout(150)
+def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    run = launch.start(TRAIN, nproc=2, run_dir=tmp_run_dir, max_restarts=1,
+                       args=["--epochs", "3", "--checkpoint", ckpt])
+    try:
+        assert wait_until(ckpt.exists, 90, interval=0.02), "no checkpoint was written"
+        victim = _rank_process(tmp_run_dir.resolve(), 1)
+        assert victim is not None and not run.done()
+        victim.kill()
+        result = run.wait(timeout=120)
+    finally:
+        run.stop()
+    assert result is not None, "the run did not finish"
+    assert result["status"] == "ok", result
+    log0 = (tmp_run_dir / "logs" / "rank0.stdout.log").read_text()
+    assert "resumed from" in log0
+    record = runs.load(tmp_run_dir)
+    acc_epochs = {r["epoch"] for r in record.rows if "accuracy" in r}
+    assert acc_epochs == {0, 1, 2}
+    final = [r["accuracy"] for r in record.rows if "accuracy" in r and r["epoch"] == 2]
+    assert final and min(final) > 0.3
+
+
+def test_checkpoints_are_atomic_and_loaded_weights_only():
+    """The reference script writes the checkpoint then renames it, and loads it safely."""
+    src = TRAIN.read_text()
+    assert "weights_only=True" in src and "torch.load(" in src
+    save = src.index("torch.save(state, args.checkpoint + \".tmp\")")
+    assert src.index("os.replace(args.checkpoint + \".tmp\", args.checkpoint)") > save
+    assert src.count("torch.save(") == 1
