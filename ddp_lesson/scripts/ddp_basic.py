@@ -1,0 +1,113 @@
+"""Lesson 03: DistributedDataParallel, one process per device, launched by torchrun.
+
+    torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
+Every line that makes it distributed is marked # DDP.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_lesson import data, metrics, models
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32, help="per process")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
+    p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def evaluate(model, loader, device):
+    model.eval()
+    counts = torch.zeros(2, device=device)  # [correct, seen] on this rank
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            counts[0] += (model(x).argmax(1) == y).sum()
+            counts[1] += len(y)
+    dist.all_reduce(counts)  # DDP: add up counts over ranks, then divide
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+@record  # DDP: a failing rank's traceback reaches torchrun's error summary
+def main():
+    args = parse_args()
+    rank = int(os.environ["RANK"])                # DDP: global rank, set by torchrun
+    local_rank = int(os.environ["LOCAL_RANK"])    # DDP: rank on this machine -> which GPU
+    world_size = int(os.environ["WORLD_SIZE"])    # DDP: number of processes in the job
+    # MASTER_ADDR and MASTER_PORT (set by torchrun) tell init_process_group where rank 0 listens.
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP: nccl on GPUs, gloo on CPUs
+    if use_cuda:
+        torch.cuda.set_device(local_rank)                    # DDP: one GPU per process
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if rank == 0:
+        print(f"world_size={world_size} backend={dist.get_backend()} "
+              f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
+
+    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
+    test_set = data.shapes_split(train=False)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    test_loader = DataLoader(test_set, batch_size=256,
+                             sampler=DistributedSampler(test_set, shuffle=False))  # DDP
+
+    model = models.SmallCNN().to(device)
+    model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        t0 = time.perf_counter()
+        for i, (x, y) in enumerate(loader):
+            t_step = time.perf_counter()
+            x, y = x.to(device), y.to(device)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # DDP: gradients are averaged over ranks during backward
+            opt.step()
+            sched.step()
+            step += 1
+            acc = (out.argmax(1) == y).float().mean()
+            metrics.log(step, loss=loss, accuracy=acc, lr=sched.get_last_lr()[0],
+                        step_ms=1000 * (time.perf_counter() - t_step), epoch=epoch)
+            if rank == 0:  # DDP: only rank 0 draws the progress bar
+                done = (i + 1) * 20 // len(loader)
+                print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "
+                      f"loss {loss.item():.3f}", end="", flush=True)
+        epoch_s = time.perf_counter() - t0
+        test_acc = evaluate(model, test_loader, device)
+        metrics.log(step, test_accuracy=test_acc, epoch_s=epoch_s, epoch=epoch)
+        if rank == 0:
+            print(f"  test accuracy {test_acc:.1%} ({epoch_s:.1f} s)", flush=True)
+
+    ckpt = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "model.pt")
+    if rank == 0:  # DDP: one writer; save the inner model, without the "module." prefix
+        torch.save(model.module.state_dict(), ckpt)
+    dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
+    state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
+    plain = models.SmallCNN().to(device)
+    plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
+    dist.destroy_process_group()  # DDP
+
+
+if __name__ == "__main__":
+    main()
