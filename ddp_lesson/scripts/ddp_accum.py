@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson import data, metrics, models, syncbn
 
 
 def parse_args():
@@ -71,7 +71,10 @@ def main():
 
     model = models.SmallCNN().to(device)
     if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if use_cuda:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:  # PyTorch's SyncBatchNorm is GPU-only; the course's CPU version does the same
+            model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0

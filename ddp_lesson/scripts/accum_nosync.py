@@ -1,0 +1,110 @@
+"""Check (lesson 05): gradient accumulation and no_sync().
+
+1. In one process: k micro-batches of b with loss/k give the gradient of one k*b batch
+   (model without BN); with BN in training mode they do not, and we report by how much.
+2. In DDP, counted by a communication hook: with no_sync() on all but the last micro-batch,
+   one all-reduce per optimizer step (per gradient bucket); without it, k. Same weights.
+3. Time per optimizer step with and without no_sync, side by side.
+Writes accum.json.
+"""
+import contextlib
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_lesson import data, models
+
+K, B, STEPS = 4, 8, 3
+
+
+class Counter:
+    """Comm hook state: how many all-reduces DDP launched and how many bytes they carried."""
+    def __init__(self, process_group=None):
+        self.process_group, self.calls, self.bytes = process_group, 0, 0
+
+
+def counting_hook(state, bucket):
+    state.calls += 1
+    state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(state.process_group, bucket)  # the default: average over ranks
+
+
+def grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def accumulated_vs_big(norm, x, y):
+    torch.manual_seed(0)
+    model = models.SmallCNN(norm=norm)
+    big = copy.deepcopy(model)
+    for xi, yi in zip(x.chunk(K), y.chunk(K)):
+        (F.cross_entropy(model(xi), yi) / K).backward()
+    F.cross_entropy(big(x), y).backward()
+    g, h = grads(model), grads(big)
+    return torch.allclose(g, h, atol=1e-6), (g - h).abs().max().item()
+
+
+def train(model, batches, use_no_sync):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for micro in batches:  # one optimizer step per group of K micro-batches
+        for j, (x, y) in enumerate(micro):
+            last = j == len(micro) - 1
+            ctx = model.no_sync() if (use_no_sync and not last) else contextlib.nullcontext()
+            with ctx:
+                (F.cross_entropy(model(x), y) / len(micro)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = data.shapes(K * B, seed=3).tensors
+    exact, diff = accumulated_vs_big(False, x, y)
+    exact_bn, diff_bn = accumulated_vs_big(True, x, y)
+    out = {"k": K, "micro_batch": B, "steps": STEPS, "world_size": world,
+           "no_bn_exact": exact, "no_bn_max_abs_diff": diff,
+           "bn_exact": exact_bn, "bn_max_abs_diff": diff_bn}
+
+    imgs, labels = data.shapes(STEPS * K * B * world, seed=4 + rank).tensors  # this rank's data
+    batches = [list(zip(imgs[s * K * B:(s + 1) * K * B].chunk(K), labels[s * K * B:(s + 1) * K * B].chunk(K)))
+               for s in range(STEPS)]
+    torch.manual_seed(0)
+    base = models.SmallCNN(norm=False)
+    counts, weights = {}, {}
+    for name, use in (("no_sync", True), ("sync_every_micro_batch", False)):
+        model = DDP(copy.deepcopy(base))
+        state = Counter()
+        model.register_comm_hook(state, counting_hook)
+        train(model, batches, use)
+        counts[name] = {"allreduce_calls": state.calls, "bytes": state.bytes,
+                        "calls_per_optimizer_step": state.calls / STEPS}
+        weights[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out["counts"] = counts
+    out["same_weights"] = torch.allclose(weights["no_sync"], weights["sync_every_micro_batch"], atol=1e-6)
+    out["weights_max_abs_diff"] = (weights["no_sync"] - weights["sync_every_micro_batch"]).abs().max().item()
+    out["gradient_bytes"] = sum(p.numel() * p.element_size() for p in base.parameters())
+
+    times = {"no_sync": [], "sync_every_micro_batch": []}
+    for _ in range(3):
+        for name, use in (("no_sync", True), ("sync_every_micro_batch", False)):
+            model = DDP(copy.deepcopy(base))
+            t0 = time.perf_counter()
+            train(model, batches, use)
+            times[name].append(1000 * (time.perf_counter() - t0) / STEPS)
+    out["ms_per_optimizer_step"] = {k: min(v) for k, v in times.items()}
+    if rank == 0:
+        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "accum.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Check (lesson 03): DDP over N ranks trains exactly like one process on the global batch.
+
+Writes equivalence.json into the run directory:
+- different seeds per rank -> different weights before DDP(...), equal after it;
+- weights allclose to the single-process reference after EVERY step (model without BN);
+- DistributedSampler: without set_epoch every epoch repeats its shuffle, with it they differ.
+"""
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_lesson import data, models
+
+STEPS, PER_RANK = 8, 8
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def same_on_all_ranks(t):
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def main():
+    dist.init_process_group("gloo")  # a check of the arithmetic: CPU is enough
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1000 + rank)  # each rank starts from different weights
+    model = models.SmallCNN(norm=False)  # no BatchNorm: BN statistics are per rank
+    equal_before = same_on_all_ranks(flat(model))
+    ddp = DDP(model)  # broadcasts rank 0's parameters and buffers
+    equal_after = same_on_all_ranks(flat(ddp.module))
+
+    reference = copy.deepcopy(ddp.module)  # one process that sees the whole global batch
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    images, labels = data.shapes(STEPS * PER_RANK * world, seed=7).tensors
+    max_diff = []
+    for step in range(STEPS):
+        batch = slice(step * PER_RANK * world, (step + 1) * PER_RANK * world)
+        x, y = images[batch], labels[batch]
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)  # this rank's share
+        opt.zero_grad()
+        F.cross_entropy(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ok = all(torch.allclose(a, b) for a, b in zip(ddp.module.parameters(), reference.parameters()))
+        max_diff.append({"step": step + 1, "allclose": ok,
+                         "max_abs_diff": (flat(ddp.module) - flat(reference)).abs().max().item()})
+
+    dataset = list(range(16))
+    shuffles = {}
+    for use_set_epoch in (False, True):
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+        epochs = []
+        for epoch in range(3):
+            if use_set_epoch:
+                sampler.set_epoch(epoch)
+            epochs.append(list(sampler))
+        shuffles["with_set_epoch" if use_set_epoch else "without_set_epoch"] = epochs
+    shards = [None] * world
+    dist.all_gather_object(shards, shuffles["with_set_epoch"][0])
+
+    if rank == 0:
+        verdict = {
+            "world_size": world,
+            "weights_equal_before_ddp": equal_before,
+            "weights_equal_after_ddp": equal_after,
+            "steps": max_diff,
+            "allclose_every_step": all(s["allclose"] for s in max_diff),
+            "rank0_shuffles": shuffles,
+            "epochs_repeat_without_set_epoch": len({tuple(e) for e in shuffles["without_set_epoch"]}) == 1,
+            "epochs_differ_with_set_epoch": len({tuple(e) for e in shuffles["with_set_epoch"]}) == 3,
+            "shards_disjoint": len(set().union(*map(set, shards))) == sum(map(len, shards)),
+        }
+        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "equivalence.json"), "w") as f:
+            json.dump(verdict, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

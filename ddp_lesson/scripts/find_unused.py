@@ -1,0 +1,81 @@
+"""Check (lesson 03): find_unused_parameters, when it is needed and what it costs.
+
+A model with a branch that only some steps use. Without find_unused_parameters=True, DDP
+waits for gradients of the unused branch that never come and fails on the next step; with
+it, DDP walks the autograd graph every step to mark them ready. Writes find_unused.json.
+"""
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_lesson import data, models
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = models.SmallCNN(norm=False)
+        self.extra = nn.Linear(10, 10)  # used only when asked
+
+    def forward(self, x, use_extra=False):
+        out = self.body(x)
+        return self.extra(out) if use_extra else out
+
+
+def train(ddp, steps, use_extra_every=0):
+    x, y = data.shapes(32, seed=dist.get_rank()).tensors
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        use = bool(use_extra_every) and i % use_extra_every == 0
+        opt.zero_grad()
+        F.cross_entropy(ddp(x, use_extra=use), y).backward()
+        opt.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    out = {}
+    try:  # the branch is unused on step 2: DDP notices on step 3
+        train(DDP(TwoHeads()), steps=3, use_extra_every=2)
+        out["error_without_flag"] = None
+    except RuntimeError as e:
+        out["error_without_flag"] = str(e).split("\n")[0]
+    dist.barrier()
+    out["ms_per_step_with_flag_branchy"] = 1000 * train(DDP(TwoHeads(), find_unused_parameters=True), 6, 2)
+    # The cost on a model that uses every parameter: same model, flag off vs on, side by side.
+    plain = DDP(models.SmallCNN(norm=False))
+    flagged = DDP(models.SmallCNN(norm=False), find_unused_parameters=True)
+    times = {"off": [], "on": []}
+    for _ in range(3):
+        for name, m in (("off", plain), ("on", flagged)):
+            times[name].append(1000 * _time(m))
+    out["ms_per_step_flag_off"] = min(times["off"])
+    out["ms_per_step_flag_on"] = min(times["on"])
+    if dist.get_rank() == 0:
+        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "find_unused.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+def _time(ddp, steps=10):
+    x, y = data.shapes(32, seed=dist.get_rank()).tensors
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return (time.perf_counter() - t0) / steps
+
+
+if __name__ == "__main__":
+    main()

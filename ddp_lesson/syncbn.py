@@ -1,0 +1,52 @@
+"""SyncBatchNorm for CPU ranks. PyTorch's nn.SyncBatchNorm runs on GPUs only ("expected
+input tensor to be on GPU"); this does the same arithmetic with gloo so the lesson runs on
+a laptop: per channel, every rank sums x, x*x and its count, one all_reduce adds them up,
+and each rank normalises its own batch with the global mean and variance. The all_reduce
+is the differentiable one (torch.distributed.nn), so backward also sums over ranks, as
+nn.SyncBatchNorm's backward does.
+
+    model = convert_sync_batchnorm(model)   # nn.SyncBatchNorm on GPUs, this on CPU
+"""
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+
+
+class CPUSyncBatchNorm(nn.BatchNorm2d):
+    def forward(self, x):
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(x)
+        dims = [d for d in range(x.dim()) if d != 1]
+        count = torch.tensor([x.numel() / x.size(1)], dtype=torch.float64)
+        local = torch.cat([x.double().sum(dims), (x.double() ** 2).sum(dims), count])
+        total = dist_fn.all_reduce(local)  # sums over ranks; its backward sums too
+        c = x.size(1)
+        n = total[-1]
+        mean = total[:c] / n
+        var = total[c:2 * c] / n - mean ** 2  # biased: what normalisation uses
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+            self.running_mean.mul_(1 - m).add_(m * mean.float())
+            self.running_var.mul_(1 - m).add_(m * (var * n / (n - 1)).float())  # unbiased
+        shape = [1, c] + [1] * (x.dim() - 2)
+        y = (x - mean.float().view(shape)) / torch.sqrt(var.float().view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+
+def convert_sync_batchnorm(module):
+    """nn.SyncBatchNorm.convert_sync_batchnorm on GPUs; CPUSyncBatchNorm layers otherwise."""
+    if torch.cuda.is_available():
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CPUSyncBatchNorm):
+        new = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                               module.track_running_stats)
+        new.load_state_dict(module.state_dict())
+        new.train(module.training)
+        return new
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child))
+    return module
