@@ -1,0 +1,117 @@
+"""Device planning (`ddp_lesson.devices.plan`): which ranks a run gets, without CUDA.
+
+- with GPUs (a fake list passed as `available=`): one process per GPU, nccl,
+  CUDA_VISIBLE_DEVICES with the physical ids in PCI bus order; a subset by `gpus=` as a
+  list or as "0,1"; `cpu=True` forces gloo CPU ranks;
+- with no GPU: gloo, 2 CPU processes by default, CUDA hidden, OMP threads shared out;
+- bad requests raise BadInput with one sentence (ends with '.', no newline), before
+  anything starts;
+- `list_gpus()` parses nvidia-smi's CSV output (a fake nvidia-smi on PATH).
+"""
+import os
+import stat
+
+import pytest
+
+from ddp_lesson import BadInput, devices
+from ddp_lesson.devices import GPU, plan
+
+GPUS = [GPU(0, "Fake A100", 81920, 10), GPU(1, "Fake A100", 81920, 10),
+        GPU(2, "Fake A100", 81920, 30000, processes=[(123, 29000)])]
+
+
+def one_sentence(err):
+    text = str(err.value)
+    assert "\n" not in text and text.endswith("."), text
+    assert text[0].isupper() or text.startswith("--"), text
+    return text
+
+
+def test_all_gpus_by_default():
+    p = plan(available=GPUS)
+    assert (p.nproc, p.gpus, p.backend) == (3, [0, 1, 2], "nccl")
+    assert p.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2"}
+    assert "3 rank(s) on GPU(s) 0,1,2 with nccl" == p.describe()
+
+
+@pytest.mark.parametrize("gpus", ["0,2", " 0 , 2 ", [0, 2], (0, 2)])
+def test_gpu_subset(gpus):
+    p = plan(gpus=gpus, available=GPUS)
+    assert (p.nproc, p.gpus, p.backend) == (2, [0, 2], "nccl")
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "0,2"
+
+
+def test_nproc_takes_the_first_gpus():
+    p = plan(nproc=2, available=GPUS)
+    assert p.gpus == [0, 1] and p.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_cpu_forced_even_with_gpus():
+    p = plan(nproc=3, cpu=True, available=GPUS)
+    assert (p.nproc, p.gpus, p.backend) == (3, [], "gloo")
+    assert p.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_no_gpu_means_two_gloo_cpu_processes(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_count", lambda: 8)
+    p = plan(available=[])
+    assert (p.nproc, p.gpus, p.backend) == (2, [], "gloo")
+    assert p.env == {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "4"}
+    assert p.describe() == "2 CPU process(es) with gloo"
+    assert plan(nproc="4", available=[]).nproc == 4
+    monkeypatch.setattr(devices, "cpu_count", lambda: 1)
+    assert plan(available=[]).nproc == 1  # one core: one process by default
+    assert plan(nproc=3, available=[]).env["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("nproc, words", [(0, "at least 1"), (-1, "at least 1"), ("0", "at least 1"),
+                                          ("abc", "whole number"), ("1.5", "whole number"),
+                                          (True, "whole number")])
+def test_bad_nproc(nproc, words):
+    with pytest.raises(BadInput) as err:
+        plan(nproc=nproc, available=[])
+    assert words in one_sentence(err)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"gpus": "0"}, "no NVIDIA GPU"),                       # no GPU here
+    ({"gpus": "0,5"}, "GPU 5 does not exist"),
+    ({"gpus": "a,b"}, "like 0,1"),
+    ({"gpus": ""}, "No GPU was selected"),
+    ({"gpus": "0,0"}, "must not repeat"),
+    ({"gpus": "0,1", "nproc": 3}, "One process per GPU"),
+    ({"nproc": 4}, "at most 3"),
+])
+def test_bad_gpu_requests(kwargs, words):
+    available = [] if kwargs == {"gpus": "0"} else GPUS
+    with pytest.raises(BadInput) as err:
+        plan(available=available, **kwargs)
+    assert words in one_sentence(err)
+
+
+def test_gpu_label():
+    assert GPUS[2].busy and not GPUS[0].busy
+    assert GPUS[2].label() == "GPU 2: Fake A100, 80 GiB (30000 MiB used), in use by 1 process(es)"
+
+
+def test_list_gpus_from_nvidia_smi(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("""#!/bin/sh
+case "$1" in
+  --query-gpu=*) printf '1, Fake H100, 81559, 5, GPU-bbb\\n0, Fake H100, 81559, 20000, GPU-aaa\\n' ;;
+  --query-compute-apps=*) printf 'GPU-aaa, 4242, 19990\\n' ;;
+esac
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    gpus = devices.list_gpus()
+    assert [g.index for g in gpus] == [0, 1]
+    assert gpus[0].processes == [(4242, 19990)] and gpus[1].processes == []
+    assert gpus[0].memory_total_mb == 81559 and gpus[0].uuid == "GPU-aaa"
+    p = plan()  # found through the fake nvidia-smi
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1" and p.backend == "nccl"
+
+
+def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert devices.list_gpus() == []

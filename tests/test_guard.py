@@ -1,0 +1,154 @@
+"""`python -m ddp_lesson.guard`, what torchrun runs for the agent and for every rank.
+
+Checked directly (no torchrun, so these are fast):
+
+- parent-death guard: when the guard's parent is SIGKILLed, the guarded process ends
+  by itself within a few seconds (SIGKILL by default, the chosen signal with --signal);
+- in a rank (RANK and DDP_LESSON_RUN_DIR set) stdout/stderr go to
+  logs/rank<R>.stdout.log / .stderr.log;
+- an exception in the script writes logs/rank<R>.error.json with the message and the
+  script's own traceback (not the guard's or runpy's frames), also for a script without
+  @record, and torchrun's TORCHELASTIC_ERROR_FILE in torchrun's format; a non-zero
+  sys.exit is recorded too, and the exit status is kept;
+- the script runs as __main__ with its own folder first on sys.path; `-m module` works.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import child_env, wait_until
+
+GUARD = [sys.executable, "-m", "ddp_lesson.guard"]
+
+
+def guard_env(**extra):
+    return child_env(**extra)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [None, "TERM"])
+def test_guarded_process_ends_when_its_parent_is_killed(tmp_path, write_script, sig):
+    child = write_script("child.py", """
+        import os, signal, sys, time
+        if len(sys.argv) > 1:  # report the signal that ended us, if it can be caught
+            signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], "w").write("TERM"), os._exit(143)))
+        print(os.getpid(), flush=True)
+        time.sleep(120)
+    """)
+    marker = tmp_path / "got_signal"
+    guard = GUARD + (["--signal", sig] if sig else []) + [str(child)] + ([str(marker)] if sig else [])
+    # the parent: starts the guard, says its pid, and sleeps until it is killed
+    parent_src = ("import subprocess, sys, time; p = subprocess.Popen(sys.argv[1:]); "
+                  "print(p.pid, flush=True); time.sleep(120)")
+    out = tmp_path / "parent.out"
+    with open(out, "w") as f:
+        parent = subprocess.Popen([sys.executable, "-c", parent_src, *guard], stdout=f,
+                                  env=guard_env(), cwd=tmp_path)
+    try:
+        got = wait_until(lambda: len(out.read_text().split()) >= 2, 30)
+        assert got, "the guarded script never started"
+        guarded = int(out.read_text().split()[0])
+        assert psutil.pid_exists(guarded)
+        t0 = time.monotonic()
+        parent.kill()
+        parent.wait()
+        gone = wait_until(lambda: not psutil.pid_exists(guarded)
+                          or psutil.Process(guarded).status() == psutil.STATUS_ZOMBIE, 10)
+        elapsed = time.monotonic() - t0
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        try:
+            psutil.Process(int(out.read_text().split()[0])).kill()
+        except (psutil.Error, ValueError, IndexError):
+            pass
+    assert gone, "the guarded process outlived its parent"
+    assert elapsed < 5
+    if sig == "TERM":
+        assert marker.read_text() == "TERM"
+
+
+def run_rank(script, run_dir, *args, rank="1", extra_env=None):
+    env = guard_env(DDP_LESSON_RUN_DIR=run_dir, RANK=rank, **(extra_env or {}))
+    return subprocess.run(GUARD + [str(script), *args], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=run_dir)
+
+
+@pytest.mark.timeout(60)
+def test_rank_output_goes_to_log_files_and_errors_are_recorded(tmp_path, write_script):
+    script = write_script("bad.py", """
+        import sys
+        def inner():
+            raise KeyError("missing thing")
+        print("to stdout", flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+        print("argv", sys.argv[1:], "main", __name__, "path0", sys.path[0], flush=True)
+        inner()
+    """)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    err_file = tmp_path / "torchelastic_error.json"
+    p = run_rank(script, run_dir, "--flag", "x", extra_env={"TORCHELASTIC_ERROR_FILE": err_file})
+    assert p.returncode == 1
+    assert p.stdout == ""  # all of it went to the rank's log files
+    out = (run_dir / "logs" / "rank1.stdout.log").read_text()
+    assert "to stdout" in out and f"argv ['--flag', 'x'] main __main__ path0 {tmp_path}" in out
+    err = (run_dir / "logs" / "rank1.stderr.log").read_text()
+    assert "to stderr" in err and "KeyError" in err  # the usual traceback still printed
+    record = json.loads((run_dir / "logs" / "rank1.error.json").read_text())
+    assert record["rank"] == 1 and record["message"] == "KeyError: 'missing thing'"
+    assert record["restart"] == 0 and abs(record["time"] - time.time()) < 60
+    tb = record["traceback"]
+    assert tb.startswith("Traceback") and "in inner" in tb and str(script) in tb
+    assert "runpy" not in tb and "guard.py" not in tb
+    elastic = json.loads(err_file.read_text())
+    assert elastic["message"]["message"] == "KeyError: 'missing thing'"
+    assert "in inner" in elastic["message"]["extraInfo"]["py_callstack"]
+
+
+@pytest.mark.timeout(60)
+def test_nonzero_sys_exit_is_recorded_and_zero_is_not(tmp_path, write_script):
+    script = write_script("ex.py", "import sys\nsys.exit(int(sys.argv[1]))\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert run_rank(script, run_dir, "0").returncode == 0
+    assert not (run_dir / "logs" / "rank1.error.json").exists()
+    assert run_rank(script, run_dir, "3").returncode == 3
+    record = json.loads((run_dir / "logs" / "rank1.error.json").read_text())
+    assert "status 3" in record["message"]
+
+
+@pytest.mark.timeout(60)
+def test_outside_a_rank_the_guard_only_runs_the_target(tmp_path, write_script):
+    script = write_script("ok.py", "print('plain run', __name__)\n")
+    p = subprocess.run(GUARD + [str(script)], env=guard_env(), capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout == "plain run __main__\n"
+    assert not (tmp_path / "logs").exists()
+    (tmp_path / "mod_here.py").write_text("import sys\nprint('module', __name__, sys.argv[1:])\n")
+    p = subprocess.run(GUARD + ["-m", "mod_here", "a"], env=guard_env(PYTHONPATH=f"{tmp_path}{os.pathsep}"
+                                                                     f"{child_env()['PYTHONPATH']}"),
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout == "module __main__ ['a']\n", p.stderr
+
+
+def test_usage_without_target():
+    p = subprocess.run(GUARD, env=guard_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "usage" in p.stderr
+
+
+def test_script_dir_is_importable(tmp_path, write_script):
+    """script.py runs from the run directory; modules beside the original script still import."""
+    (tmp_path / "helper_mod.py").write_text("VALUE = 42\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "script.py").write_text("import helper_mod\nprint(helper_mod.VALUE)\n")
+    p = subprocess.run(GUARD + [str(run_dir / "script.py")], capture_output=True, text=True,
+                       env=guard_env(DDP_LESSON_SCRIPT_DIR=tmp_path), timeout=60, cwd=run_dir)
+    assert p.returncode == 0 and p.stdout == "42\n", p.stderr
