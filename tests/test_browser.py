@@ -1,0 +1,367 @@
+"""The course in a real JupyterLab, driven by a real (headless) Chromium.
+
+What a learner does, end to end: open a notebook that shows the run panel, run its cells,
+see the device picker and the panel render, press Run and watch the live plot update until
+the status says ok, then press Run again and Stop while it trains, and find every process
+of that run gone.
+
+- JupyterLab runs on 127.0.0.1 on a free port, rooted in a temporary folder (a copy of the
+  course's notebook made for this test), with temporary Jupyter config/data/runtime/settings
+  folders, so nothing of the user's set-up is read or written.
+- Chromium: Playwright's sync API with the system's Chromium (`/usr/bin/chromium`, or
+  `$DDP_LESSON_CHROMIUM`); Playwright's own browser download is not needed. The test
+  skips, saying why, only when no Chromium or no Playwright is installed.
+- Screenshots go to test-artifacts/browser/ (with JupyterLab's log, for a failure).
+- At the end JupyterLab is stopped and every process it started is ended by PID.
+"""
+import json
+import re
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+# Generous: the machines that run this are often shared and slow.
+SERVER_START_S = 120
+KERNEL_READY_S = 120
+RUN_OK_S = 150
+STOP_S = 60
+
+# The notebook the learner opens (a small one made for this test: the first cells of the
+# lessons, the run panel on the reference script). Two code cells: set-up, then the panel.
+SETUP_CELL = """\
+import pathlib, shutil
+import ddp_lesson
+pathlib.Path("work").mkdir(exist_ok=True)
+_ = shutil.copy(pathlib.Path(ddp_lesson.__file__).parent / "scripts" / "train_ddp.py", "work/train.py")
+"""
+PANEL_CELL = """\
+from ddp_lesson.widgets import RunPanel, DevicePicker
+panel = RunPanel("work/train.py", options={"epochs": 3}, picker=DevicePicker(),
+                 metrics=("loss", "accuracy"))
+panel
+"""
+
+
+def find_chromium():
+    for candidate in (os.environ.get("DDP_LESSON_CHROMIUM"), "/usr/bin/chromium",
+                      shutil.which("chromium"), shutil.which("chromium-browser"),
+                      shutil.which("google-chrome")):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_notebook(path):
+    def cell(source):
+        return {"cell_type": "code", "execution_count": None, "id": f"c{abs(hash(source)) % 10**8}",
+                "metadata": {}, "outputs": [], "source": source.splitlines(keepends=True)}
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "id": "intro", "metadata": {},
+             "source": ["# Browser test\n", "Pick devices, press **Run**, watch the curves."]},
+            cell(SETUP_CELL), cell(PANEL_CELL),
+        ],
+        "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python",
+                                    "name": "python3"},
+                     "language_info": {"name": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(nb, indent=1))
+
+
+def lab_env(home):
+    """An environment for JupyterLab and its kernels: this checkout importable, every
+    Jupyter folder temporary, nothing of the caller's DDP_LESSON_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDP_LESSON_", "JUPYTER"))}
+    env.pop("MASTER_PORT", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    folders = {
+        "JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data", "JUPYTER_RUNTIME_DIR": "runtime",
+        "JUPYTERLAB_SETTINGS_DIR": "lab-settings", "JUPYTERLAB_WORKSPACES_DIR": "lab-workspaces",
+        "IPYTHONDIR": "ipython", "MPLCONFIGDIR": "matplotlib",
+    }
+    for key, name in folders.items():
+        (home / name).mkdir(parents=True, exist_ok=True)
+        env[key] = str(home / name)
+    # No news or update checks popping up over the notebook (and no network).
+    notify = home / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    notify.mkdir(parents=True, exist_ok=True)
+    (notify / "notification.jupyterlab-settings").write_text(
+        json.dumps({"checkForUpdates": False, "fetchNews": "false"}))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Lab:
+    """A JupyterLab server in its own session; `close()` ends it and all it started."""
+
+    def __init__(self, root, home, log_path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser",
+             "--IdentityProvider.token=", "--ServerApp.password=", "--ServerApp.ip=127.0.0.1",
+             f"--port={self.port}", "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}",
+             # offline and quiet: no update checks, news or extension manager look-ups
+             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+             "--LabApp.news_url=None", "--LabApp.extension_manager=readonly",
+             *(["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])],
+            cwd=root, env=lab_env(home), stdin=subprocess.DEVNULL, stdout=self.log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self.seen = {}  # pid -> psutil.Process: everything of the server's tree we saw
+
+    def remember(self):
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root] + root.children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def wait_ready(self, timeout):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/status", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"JupyterLab did not answer within {timeout} s; see {self.log.name}")
+
+    def close(self):
+        self.remember()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+        left = [p for p in self.seen.values() if _alive(p)]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def _alive(p):
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Shots:
+    def __init__(self, page, folder):
+        self.page, self.folder, self.n = page, folder, 0
+
+    def __call__(self, name):
+        self.n += 1
+        path = self.folder / f"{self.n:02d}-{name}.png"
+        try:
+            self.page.screenshot(path=str(path), full_page=True)
+        except Exception:  # a screenshot must never hide the real failure
+            pass
+        return path
+
+
+def poll(predicate, timeout, interval=0.25, what="condition"):
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def chromium_path():
+    path = find_chromium()
+    if path is None:
+        pytest.skip("no Chromium found (install Debian's `chromium`, or set DDP_LESSON_CHROMIUM "
+                    "to a Chromium/Chrome executable); the browser test needs one")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("the Python package `playwright` is not installed (pip install playwright)")
+    return path
+
+
+@pytest.fixture
+def lab(tmp_path, chromium_path):
+    root = tmp_path / "course"
+    root.mkdir()
+    make_notebook(root / "panel.ipynb")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    server = Lab(root, tmp_path / "jupyter-home", ARTIFACTS / "jupyterlab.log")
+    server.root = root
+    try:
+        server.wait_ready(SERVER_START_S)
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def page(lab, chromium_path):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 1000})
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            yield page
+        finally:
+            browser.close()
+
+
+def run_dirs(root):
+    runs = root / "runs"
+    return sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+
+
+def cell_errors(page):
+    """Tracebacks shown in the notebook's outputs (a cell that raised)."""
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    return [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
+
+
+def wait_for(page, locator, timeout, what):
+    """Wait for `locator` to be visible; fail at once, with the traceback, if a cell raised."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            locator.first.wait_for(state="visible", timeout=1000)
+            return locator.first
+        except Exception:
+            pass
+        errors = cell_errors(page)
+        assert not errors, f"a cell raised while waiting for {what}:\n" + "\n".join(errors)[-3000:]
+        if time.monotonic() >= end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.timeout(600)
+def test_run_panel_in_jupyterlab(lab, page):
+    from ddp_lesson import procs
+
+    shot = Shots(page, ARTIFACTS)
+    page.goto(f"{lab.url}/lab/tree/panel.ipynb")
+    wait_for(page, page.locator(".jp-NotebookPanel .jp-Cell").nth(2), KERNEL_READY_S, "the notebook")
+    wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
+             "the kernel to start")
+    shot("notebook-open")
+
+    # Run all cells from the Run menu, as a learner would.
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
+
+    panel = page.locator(".jp-Cell").nth(2).locator(".jp-OutputArea-output")
+    buttons = panel.locator("button.jupyter-widgets.widget-button")
+    run_button = buttons.filter(has_text="Run").first
+    stop_button = buttons.filter(has_text="Stop").first
+    wait_for(page, run_button, KERNEL_READY_S, "the run panel's Run button")
+    wait_for(page, stop_button, 30, "the run panel's Stop button")
+    assert panel.locator(".jupyter-widgets").count() > 3, "the device picker and the panel should render"
+    plot = panel.locator("img").first
+    shot("panel-rendered")
+
+    def plot_src():
+        try:
+            return plot.get_attribute("src", timeout=1000) if plot.count() else None
+        except Exception:
+            return None
+
+    def status_is(word):
+        """The panel's status line (an HTML widget) starts with `word`: ok, interrupted ..."""
+        try:
+            texts = panel.locator(".widget-html").all_inner_texts()
+        except Exception:
+            return False
+        return any(re.match(rf"\s*{word}\b", t) for t in texts)
+
+    # --- first run: to the end, the plot updating while it goes ---
+    before = set(run_dirs(lab.root))
+    run_button.click()
+    first = poll(lambda: [d for d in run_dirs(lab.root) if d not in before], 60,
+                 what="the run directory of the first run")[0]
+    sources = [plot_src()]
+
+    def progress():
+        lab.remember()
+        src = plot_src()
+        if src and src != sources[-1]:
+            sources.append(src)
+            if len(sources) == 3:
+                shot("first-run-plot-updating")
+        return (first / "result.json").exists()
+
+    poll(progress, RUN_OK_S, interval=0.1, what="the first run to finish")
+    live_frames = len([src for src in sources if src])
+    result = json.loads((first / "result.json").read_text())
+    assert result["status"] == "ok", result
+    poll(lambda: status_is("ok"), 30, what="the status line to say ok")
+    progress()
+    shot("first-run-ok")
+    assert live_frames >= 2, \
+        f"the live plot should update at least twice while the run trains; it showed {live_frames} frame(s)"
+
+    # --- second run: Stop while it trains; every process of it must end ---
+    before = set(run_dirs(lab.root))
+    run_button.click()
+    second = poll(lambda: [d for d in run_dirs(lab.root) if d not in before], 60,
+                  what="the run directory of the second run")[0]
+    # Stop once the ranks train (metrics written), so Stop meets the whole process tree.
+    poll(lambda: any(p.stat().st_size for p in (second / "metrics").glob("rank*.jsonl")), 90,
+         what="the second run to start training")
+    running = procs.run_processes(second)
+    assert running, "the second run should have live processes before Stop"
+    pids = sorted(p.pid for p in running)
+    shot("second-run-training")
+    stop_button.click()
+    poll(lambda: (second / "result.json").exists(), STOP_S, what="the second run to end after Stop")
+    result = json.loads((second / "result.json").read_text())
+    assert result["status"] == "interrupted", result
+    psutil.wait_procs(running, timeout=10)
+    assert not [p.pid for p in running if _alive(p)], f"processes of the stopped run still alive (of {pids})"
+    assert not procs.run_processes(second), "processes of the stopped run are still alive"
+    poll(lambda: status_is("interrupted"), 30, what="the status line to say interrupted")
+    shot("second-run-stopped")
+    assert not cell_errors(page)
