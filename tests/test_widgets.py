@@ -1,7 +1,5 @@
 """The device picker and the run panel, driven like a learner would (values, .click()),
 with real torchrun runs on 2 CPU ranks, and once headless in a kernel via nbclient."""
-import os
-from pathlib import Path
 
 import ipywidgets as W
 import pytest
