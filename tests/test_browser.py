@@ -229,6 +229,8 @@ def lab(tmp_path, chromium_path):
     root.mkdir()
     make_notebook(root / "panel.ipynb")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for old in ARTIFACTS.glob("*.png"):
+        old.unlink()
     server = Lab(root, tmp_path / "jupyter-home", ARTIFACTS / "jupyterlab.log")
     server.root = root
     try:
@@ -365,3 +367,24 @@ def test_run_panel_in_jupyterlab(lab, page):
     poll(lambda: status_is("interrupted"), 30, what="the status line to say interrupted")
     shot("second-run-stopped")
     assert not cell_errors(page)
+
+    # --- third run: restart the kernel while it trains; nothing of the run may survive ---
+    before = set(run_dirs(lab.root))
+    run_button.click()
+    third = poll(lambda: [d for d in run_dirs(lab.root) if d not in before], 60,
+                 what="the run directory of the third run")[0]
+    poll(lambda: procs.run_processes(third), 60, what="the third run's processes")
+    poll(lambda: any(p.stat().st_size for p in (third / "metrics").glob("rank*.jsonl")), 90,
+         what="the third run to start training")
+    running = procs.run_processes(third)
+    pids = sorted(p.pid for p in running)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+    page.locator(".lm-Menu-item[data-command='kernelmenu:restart']").click()
+    page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept").click()
+    psutil.wait_procs(running, timeout=30)
+    assert not [p.pid for p in running if _alive(p)], \
+        f"processes of a run outlived the kernel restart (of {pids})"
+    assert not procs.run_processes(third), "processes of a run outlived the kernel restart"
+    wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
+             "the kernel to come back")
+    shot("third-run-kernel-restarted")
