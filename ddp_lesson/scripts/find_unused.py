@@ -6,6 +6,7 @@ it, DDP walks the autograd graph every step to mark them ready. Writes find_unus
 """
 import json
 import os
+import sys
 import time
 
 import torch
@@ -63,7 +64,13 @@ def main():
     if dist.get_rank() == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "find_unused.json"), "w") as f:
             json.dump(out, f, indent=1)
-    dist.destroy_process_group()
+    dist.barrier()
+    # The DDP object that failed still waits for the unused gradient; tearing it down can
+    # abort the process ("terminate called without an active exception"). Leave without
+    # running its destructor: everything this check had to say is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _time(ddp, steps=10):

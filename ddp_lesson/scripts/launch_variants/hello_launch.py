@@ -1,0 +1,23 @@
+"""torch.distributed.launch (deprecated since PyTorch 2.0; use torchrun). Without --use-env it
+passes the local rank as a command-line argument (--local-rank, once --local_rank), which
+the script must parse; with --use-env it sets LOCAL_RANK like torchrun does.
+    python -m torch.distributed.launch --nproc-per-node 2 hello_launch.py          # argument
+    python -m torch.distributed.launch --nproc-per-node 2 --use-env hello_launch.py  # environment
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+p = argparse.ArgumentParser()
+p.add_argument("--local-rank", "--local_rank", type=int, default=None)  # both spellings existed
+args = p.parse_args()
+local_rank = args.local_rank if args.local_rank is not None else int(os.environ["LOCAL_RANK"])
+how = "argument" if args.local_rank is not None else "environment"
+
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"launch: rank {dist.get_rank()} local_rank {local_rank} (from the {how}) sum {t.item():.0f}", flush=True)
+dist.destroy_process_group()

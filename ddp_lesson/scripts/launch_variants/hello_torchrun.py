@@ -1,0 +1,15 @@
+"""torchrun (the current launcher): every rank reads RANK, LOCAL_RANK, WORLD_SIZE from its
+environment; init_process_group reads MASTER_ADDR/MASTER_PORT from it too.
+    torchrun --standalone --nproc-per-node 2 hello_torchrun.py
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+t = torch.ones(1)
+dist.all_reduce(t)  # gloo on CPU tensors (with nccl the tensor would go on the GPU)
+print(f"torchrun: rank {os.environ['RANK']} local_rank {os.environ['LOCAL_RANK']} "
+      f"world {os.environ['WORLD_SIZE']} sum {t.item():.0f}", flush=True)
+dist.destroy_process_group()

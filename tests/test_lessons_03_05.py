@@ -1,0 +1,131 @@
+"""The checks of notebooks 03-05, as tests: the same check scripts, launched through
+ddp_lesson.launch on 2 gloo CPU ranks; they write verdicts as JSON into their run directory.
+All launches start together (module fixture) so the suite pays torchrun's start-up once."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_lesson import launch, runs
+
+SCRIPTS = Path(launch.__file__).parent / "scripts"
+TINY = ["--epochs", "1", "--train-samples", "256", "--batch-size", "16"]
+
+CHECKS = {
+    "equivalence": ("ddp_equivalence.py", []),
+    "find_unused": ("find_unused.py", []),
+    "syncbn": ("syncbn_stats.py", ["4"]),
+    "accum": ("accum_nosync.py", []),
+    "basic": ("ddp_basic.py", TINY),
+    "syncbn_train": ("ddp_syncbn.py", TINY + ["--sync-bn"]),
+    "accum_train": ("ddp_accum.py", TINY + ["--accum-steps", "3"]),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs03_05")
+    started = {name: launch.start(SCRIPTS / script, nproc=2, cpu=True, args=args,
+                                  run_dir=base / name, timeout=600)
+               for name, (script, args) in CHECKS.items()}
+    yield started
+    for run in started.values():
+        run.stop()
+
+
+def finished(run, filename=None):
+    result = run.wait()
+    assert result["status"] == "ok", result.get("message")
+    return json.loads((run.run_dir / filename).read_text()) if filename else runs.load(run.run_dir)
+
+
+def test_ddp_equals_one_process_every_step(launched):
+    v = finished(launched["equivalence"], "equivalence.json")
+    assert v["world_size"] == 2
+    assert v["allclose_every_step"], v["steps"]
+    assert len(v["steps"]) >= 5
+
+
+def test_ddp_constructor_broadcasts_rank0_weights(launched):
+    v = finished(launched["equivalence"], "equivalence.json")
+    assert not v["weights_equal_before_ddp"] and v["weights_equal_after_ddp"]
+
+
+def test_set_epoch_changes_the_shuffle(launched):
+    v = finished(launched["equivalence"], "equivalence.json")
+    assert v["epochs_repeat_without_set_epoch"] and v["epochs_differ_with_set_epoch"]
+    assert v["shards_disjoint"]
+
+
+def test_find_unused_parameters(launched):
+    v = finished(launched["find_unused"], "find_unused.json")
+    assert "find_unused_parameters" in (v["error_without_flag"] or "")
+    assert v["ms_per_step_flag_on"] > 0 and v["ms_per_step_flag_off"] > 0
+
+
+def test_syncbn_equals_bn_over_concatenated_batch(launched):
+    ranks = finished(launched["syncbn"], "syncbn.json")
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["sync_mean_matches_big_batch"] and r["sync_var_matches_big_batch"]
+        assert r["sync_output_matches_big_batch"] and r["sync_input_grad_matches_big_batch"]
+        assert not r["plain_bn_mean_matches_big_batch"]
+
+
+def test_accumulation_exact_without_bn_and_not_with_bn(launched):
+    v = finished(launched["accum"], "accum.json")
+    assert v["no_bn_exact"]
+    assert not v["bn_exact"] and v["bn_max_abs_diff"] > 1e-4
+
+
+def test_no_sync_one_allreduce_per_step_same_weights(launched):
+    v = finished(launched["accum"], "accum.json")
+    c = v["counts"]
+    assert c["no_sync"]["calls_per_optimizer_step"] == 1
+    assert c["sync_every_micro_batch"]["calls_per_optimizer_step"] == v["k"]
+    assert c["no_sync"]["bytes"] * v["k"] == c["sync_every_micro_batch"]["bytes"]
+    assert v["same_weights"]
+
+
+@pytest.mark.parametrize("name", ["basic", "syncbn_train", "accum_train"])
+def test_lesson_scripts_train_and_log_per_rank(launched, name):
+    rec = finished(launched[name])
+    assert rec.ranks() == [0, 1]
+    assert rec.series("loss", rank=0) and rec.series("accuracy", rank=1)
+    assert rec.series("test_accuracy", rank=0)
+    assert (rec.path / "model.pt").exists()
+
+
+def test_accum_script_steps_once_per_window_including_partial(launched):
+    rec = finished(launched["accum_train"])
+    # 256 samples / 2 ranks / batch 16 = 8 micro-batches; k = 3 -> windows 3, 3, 2
+    assert len(rec.series("loss", rank=0)) == 3
+
+
+def test_sync_bn_flag_is_store_true():
+    src = (SCRIPTS / "ddp_syncbn.py").read_text()
+    assert '"--sync-bn", action="store_true"' in src and "type=bool" not in src
+
+
+def test_launch_variants():
+    variants = SCRIPTS / "launch_variants"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(SCRIPTS.parent.parent))
+    commands = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "2", str(variants / "hello_torchrun.py")],
+        "launch": [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2",
+                   "--master-port", str(launch.free_port()), "--use-env", str(variants / "hello_launch.py")],
+        "spawn": [sys.executable, str(variants / "hello_spawn.py")],
+    }
+    procs = {k: subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, c in commands.items()}
+    out = {k: p.communicate(timeout=300) for k, p in procs.items()}
+    for k, p in procs.items():
+        assert p.returncode == 0, out[k][1][-2000:]
+        assert out[k][0].count("sum 2") == 2, out[k]
+    assert "from the environment" in out["launch"][0]     # --use-env: LOCAL_RANK in the env
+    assert "deprecated" in out["launch"][1]
