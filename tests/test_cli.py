@@ -7,7 +7,7 @@ Pins down the exit-status contract and what gets printed:
   stderr, no traceback, no process started and no run directory created;
 - Ctrl-C (SIGINT to the command's process group, as a terminal sends it): every process
   of the run is gone within 10 s, status `interrupted`, exit 130;
-- a rank that raises (a plain script, no @record): exit 1 within 60 s, the other rank is
+- a rank that raises (a plain script without @record, and one with it): exit 1 within 60 s, the other rank is
   torn down, and both the printed output and result.json name rank 1 as the first
   failure, with its traceback;
 - a rank that never reaches a collective: status `timeout` at the configured --timeout,
@@ -123,11 +123,13 @@ def test_ctrl_c_ends_every_process_and_exits_130(tmp_path, tmp_run_dir):
 # -- failures --------------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_failing_rank_is_named_with_its_traceback(tmp_path, tmp_run_dir):
+@pytest.mark.parametrize("args", [[], ["--record"]], ids=["plain-script", "with-record"])
+def test_failing_rank_is_named_with_its_traceback(tmp_path, tmp_run_dir, args):
     t0 = time.monotonic()
-    out = run_cli(["run", SCRIPTS / "raises.py", "--run-dir", tmp_run_dir], cwd=tmp_path, timeout=90)
+    out = run_cli(["run", SCRIPTS / "raises.py", "--run-dir", tmp_run_dir, "--", *args], cwd=tmp_path,
+                  timeout=90)
     elapsed = time.monotonic() - t0
-    print(f"failing rank: command exited after {elapsed:.1f} s")
+    print(f"failing rank {args}: command exited after {elapsed:.1f} s")
     assert out.returncode == 1, out.stderr
     assert elapsed < 60
     result = json.loads((tmp_run_dir / "result.json").read_text())

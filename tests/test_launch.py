@@ -173,8 +173,9 @@ def test_run_directory_contract(contract_run):
 # -- stopping --------------------------------------------------------------------------------
 
 @pytest.mark.timeout(90)
-def test_stop_ends_every_process_within_10_s(tmp_run_dir):
-    run = launch.start(SCRIPTS / "sleeper.py", nproc=2, run_dir=tmp_run_dir)
+@pytest.mark.parametrize("args", [[], ["--ignore-term"]], ids=["plain", "ranks-ignore-sigterm"])
+def test_stop_ends_every_process_within_10_s(tmp_run_dir, args):
+    run = launch.start(SCRIPTS / "sleeper.py", nproc=2, run_dir=tmp_run_dir, args=args)
     try:
         assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
         pids = run_pids(run)
@@ -185,7 +186,7 @@ def test_stop_ends_every_process_within_10_s(tmp_run_dir):
         elapsed = time.monotonic() - t0
     finally:
         run.stop()
-    print(f"stop(): every process gone after {elapsed:.2f} s")
+    print(f"stop() {args}: every process gone after {elapsed:.2f} s")
     assert gone, f"still alive 10 s after stop(): {[p for p in pids if psutil.pid_exists(p)]}"
     assert result["status"] == "interrupted" and run.status == "interrupted"
     assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"
