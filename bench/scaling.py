@@ -8,9 +8,11 @@ a fixed per-rank batch, so an epoch of the same data takes 1/n of the steps on n
 (the setting of the seeds' s/epoch figures). In each launch rank 0 reports:
 - epoch_s    one real DDP epoch (after a warm-up);
 - compute_s  a step with the all-reduce switched off (`no_sync`): forward, backward, step;
+- compute_max_s  the same, per step the slowest rank's time (median over steps);
 - allreduce_s one all_reduce of a flat tensor as large as all gradients;
 - step_s     epoch_s / steps, a full DDP step.
-Model:  step(n) = compute(n) + allreduce(n)  (no overlap assumed, so an upper bound);
+Model:  step(n) = compute_max(n) + allreduce(n)  (no overlap assumed, so an upper bound),
+        compute_max = per step, the slowest rank's compute (every rank waits for it);
         speed-up(n) = n * step(1) / step(n)   (each rank does 1/n of the steps).
 The measured speed-up uses the median step of the real epoch the same way.
 On CPU each rank is given one thread (one rank = one core, like one GPU), so 4 ranks on 2
@@ -96,7 +98,12 @@ def worker(argv):
 
     sync(); dist.barrier()
     with model.no_sync():
-        compute_s = statistics.median(timed(lambda i: step(*batches[i % len(batches)]), a.compute_steps))
+        ctimes = timed(lambda i: step(*batches[i % len(batches)]), a.compute_steps)
+    compute_s = statistics.median(ctimes)
+    # in a synchronised step everyone waits for the slowest rank: per step, the max over ranks
+    every = [torch.zeros(len(ctimes), dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(every, torch.tensor(ctimes, dtype=torch.float64, device=device))
+    compute_max_s = statistics.median(torch.stack(every).max(0).values.tolist())
     # the all-reduce alone: one flat tensor as large as all the gradients
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     flat = torch.zeros(nbytes // 4, device=device)
@@ -115,7 +122,7 @@ def worker(argv):
     epoch_s, step_s, compute_s, allreduce_s = m.tolist()
     if rank == 0:
         metrics.log(0, world_size=world, epoch_s=epoch_s, steps=len(batches), step_s=step_s,
-                    compute_s=compute_s, allreduce_s=allreduce_s, grad_bytes=nbytes,
+                    compute_s=compute_s, compute_max_s=compute_max_s, allreduce_s=allreduce_s, grad_bytes=nbytes,
                     samples_per_s=len(batches) * a.batch_size * world / epoch_s,
                     backend=dist.get_backend(), device=str(device))
     if a.extras:  # the all-reduce sweep and the DDP knobs in the same processes (saves launches)
@@ -176,7 +183,7 @@ def analyse(rows):
         r["speedup"] = base["epoch_est_s"] / r["epoch_est_s"]
         r["efficiency"] = r["speedup"] / n
         comm = r["allreduce_s"] if n > 1 else 0.0
-        r["pred_step_s"] = r["compute_s"] + comm
+        r["pred_step_s"] = r["compute_max_s"] + comm  # the slowest rank's compute, then the all-reduce
     for r in rows:  # the model's speed-up: n * step(1) / step(n), with step = compute + all-reduce
         r["pred_speedup"] = r["nproc"] * base["pred_step_s"] / r["pred_step_s"]
         r["naive_speedup"] = float(n)
