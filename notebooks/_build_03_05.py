@@ -444,7 +444,8 @@ small = {"epochs": 2, "batch-size": 4, "lr": 0.02, "train-samples": 1024}
 args = [a for k, v in small.items() for a in (f"--{k}", v)]
 others = {
     "1 process, batch 8": launch.start("work/ddp_syncbn.py", nproc=1, cpu=True,
-                                       args=args[:2] + ["--batch-size", 8] + args[4:]),
+                                       args=args[:2] + ["--batch-size", 8] + args[4:],
+                                       env={"OMP_NUM_THREADS": 1}),   # one core, like one rank
     "DDP 2x4, BN": launch.start("work/ddp_syncbn.py", nproc=2, cpu=True, args=args),
 }
 panel = RunPanel("work/ddp_syncbn.py", options={**small, "sync-bn": True},
@@ -633,8 +634,8 @@ assert acc["same_weights"], acc["weights_max_abs_diff"]
 print("accumulation checks passed")
 '''),
 md('''
-The bytes per step are 3× the gradient size: gloo pads buckets, and a bucket holds
-gradients plus bookkeeping. The ratio between the two lines is exactly k.
+Over the 3 optimizer steps, `no_sync` sent 3 × 40,872 bytes: the whole gradient once per
+step. Syncing every micro-batch sent it k times per step, for the same weights.
 
 ## 3 · The seed's table, in shape
 
@@ -649,11 +650,11 @@ The seed trained roberta-large for 2 epochs on two RTX 3090s:
 | 2 cards + accumulation 80 | ~570 s | 67 % |
 
 `accum_sweep.py` runs the same kind of sweep in **one** launch on 2 CPU ranks: first one
-process alone on the global batch (the other rank waits), then 2 ranks with k = 1, 4, 16, 64
-at the same lr and number of epochs.
+process alone on the global batch of 32 (the other rank waits), then 2 ranks with
+micro-batches of 16 and k = 1, 4, 16, 64, at the same lr and number of epochs.
 '''),
 code('''
-sweep_run = check("accum_sweep", "--ks", "1,4,16,64", "--train-samples", 2048)
+sweep_run = check("accum_sweep", "--ks", "1,4,16,64", "--batch-size", 16, "--train-samples", 2048)
 sweep = verdict(sweep_run, "sweep.json")
 rows = sweep["rows"]
 print(f"{'setup':12s} {'k':>3s} {'time s':>7s} {'opt steps':>9s} {'ms/opt step':>11s} {'test acc':>8s}")
@@ -677,12 +678,15 @@ assert steps[64] * 64 <= steps[1] and steps[64] < steps[1] / 16   # k x fewer op
 assert accs[64] < accs[1]                                        # ... and worse accuracy
 '''),
 md('''
-**Why time falls.** With k = 1 every micro-batch pays an all-reduce; with `no_sync` only 1
-in k does, so the communication share of a step shrinks by k. That is the seed's 707 s →
-580 s. On GPUs the share is large: roberta-large has 355 M parameters, so each step moves
-1.4 GB of gradients over PCIe. On our CPU ranks with a 10 k-parameter model it is smaller,
-and the shared machine adds noise; the time gain is modest and can even invert for one pair
-of rows. Past some k the gain stops, because compute is all that is left.
+**Why time falls.** With k = 1 every micro-batch pays for an all-reduce and for DDP's
+per-step bookkeeping. With `no_sync` only 1 in k does. That is the seed's 707 s → 580 s.
+On GPUs the communication share is large: roberta-large has 355 M parameters, so every
+all-reduce moves 1.4 GB of gradients over PCIe. Our CPU ranks have a 10 k-parameter model and
+tiny micro-batches, so the fixed cost per step is what dominates. 2 ranks at k = 1 may be no
+faster than one process (lesson 01's "small batches make multi-device slower" in another
+form), and accumulation wins much of it back. Past some k the gain stops, because compute is
+all that is left. On a machine shared with other work these times are noisy: rerun the cell
+before reading much into one pair of bars.
 
 **Why accuracy falls.** It is not because accumulation is "inexact": without BN it is exact
 (section 2). Each optimizer step sees a k-times larger batch, but the **lr stays the same and
