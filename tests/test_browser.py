@@ -302,6 +302,9 @@ def test_run_panel_in_jupyterlab(lab, page):
     wait_for(page, run_button, KERNEL_READY_S, "the run panel's Run button")
     wait_for(page, stop_button, 30, "the run panel's Stop button")
     assert panel.locator(".jupyter-widgets").count() > 3, "the device picker and the panel should render"
+    text = panel.first.inner_text()
+    assert "epochs" in text, f"the panel should show its option widgets; it shows: {text!r}"
+    assert re.search(r"GPU|CPU processes", text), f"the device picker should render; the panel shows: {text!r}"
     plot = panel.locator("img").first
     shot("panel-rendered")
 
