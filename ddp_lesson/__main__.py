@@ -44,6 +44,8 @@ def build_parser():
     sub.add_parser("doctor", help="check this machine before a workshop")
     clean = sub.add_parser("cleanup", help="stop leftover processes of ddp_lesson runs")
     clean.add_argument("--dry-run", action="store_true", help="only list them")
+    clean.add_argument("--all", action="store_true",
+                       help="also end runs whose launcher (a notebook, a terminal) is still alive")
     sl = sub.add_parser("slurm", help="print a Slurm sbatch script for a multi-node run of SCRIPT")
     sl.add_argument("script")
     sl.add_argument("--nodes", default=2, type=int, help="nodes (default 2)")
@@ -141,7 +143,7 @@ def main(argv=None):
             return 0
         if a.command == "cleanup":
             from . import doctor
-            return doctor.cleanup(dry_run=a.dry_run)
+            return doctor.cleanup(dry_run=a.dry_run, everything=a.all)
     except BadInput as e:
         print(f"ddp_lesson: {e}", file=sys.stderr)
         return 2

@@ -163,6 +163,8 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
         "rdzv_endpoint": rdzv_endpoint, "max_restarts": max_restarts, "timeout": timeout,
         "env": {k: child_env[k] for k in sorted(set(plan.env) | set(env or {}))},
         "versions": _versions(), "host": socket.gethostname(),
+        # who supervises the run: `cleanup` spares runs whose launcher is still alive
+        "launcher": {"pid": os.getpid(), "create_time": procs.create_time(os.getpid())},
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_unix": time.time(),
         "command": cmd,
     }

@@ -18,6 +18,22 @@ def tree(pid):
         return []
 
 
+def create_time(pid):
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def is_alive(pid, started):
+    """Is the process `pid` that started at `started` (not a reused PID) still running?"""
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - started) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, TypeError):
+        return False
+
+
 def run_processes(run_dir=None):
     """This user's processes carrying DDP_LESSON_RUN_DIR (equal to run_dir if given),
     except this one and its ancestors."""
@@ -51,6 +67,17 @@ def alive(p):
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def by_run():
+    """{run_dir: [processes]} of this user's ddp_lesson runs alive now."""
+    groups = {}
+    for p in run_processes():
+        try:
+            groups.setdefault(p.environ().get(ENV_KEY), []).append(p)
+        except psutil.Error:
+            pass
+    return groups
 
 
 def kill_all(procs, sig=signal.SIGKILL):

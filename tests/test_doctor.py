@@ -1,0 +1,43 @@
+"""`doctor` prints one ok/warn/fail line per check and passes on a healthy machine
+(including a real 2-rank all_reduce); `cleanup` spares a run whose launcher is alive."""
+import io
+import re
+
+import pytest
+
+from conftest import processes_under, wait_until
+from ddp_lesson import doctor, launch
+
+
+@pytest.mark.timeout(180)
+def test_doctor_reports_every_check_and_passes_here():
+    out = io.StringIO()
+    code = doctor.main(out=out)
+    lines = out.getvalue().splitlines()
+    checks = [line for line in lines[1:-1]]
+    assert checks and all(re.match(r"^(ok|warn|fail) ", line) for line in checks), lines
+    text = out.getvalue()
+    for what in ("torch", "NCCL", "core", "/dev/shm", "rendezvous port", "all_reduce over 2 ranks"):
+        assert what in text, (what, text)
+    assert code == 0, text
+
+
+@pytest.mark.timeout(120)
+def test_cleanup_spares_a_run_whose_launcher_is_alive(write_script, tmp_run_dir):
+    script = write_script("sleeper.py", """
+        import time
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    run = launch.start(script, nproc=1, cpu=True, run_dir=tmp_run_dir)
+    try:
+        assert wait_until(lambda: "ready" in run.log_tail(0), 60), run.log_tail(0, 20, "stderr")
+        before = {p.pid for p in processes_under(tmp_run_dir)}
+        out = io.StringIO()
+        assert doctor.cleanup(out=out) == 0
+        assert "sparing run" in out.getvalue() and str(tmp_run_dir) in out.getvalue()
+        assert {p.pid for p in processes_under(tmp_run_dir)} == before  # nothing ended
+        assert not run.done()
+    finally:
+        run.stop()
+    assert run.status == "interrupted"
