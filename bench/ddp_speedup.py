@@ -107,7 +107,8 @@ def main(argv=None):
 
     run = launch.start(__file__, nproc=2, cpu=True, args=sys.argv[1:] if argv is None else argv,
                        env={"OMP_NUM_THREADS": "1"}, timeout=900,
-                       run_dir=Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp-speedup-{os.getpid()}-{time.time_ns()}")
+                       run_dir=None if os.environ.get("DDP_LESSON_RUNS") else
+                       Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp-speedup-{os.getpid()}-{time.time_ns()}")
     result = run.wait()
     if result["status"] != "ok":
         print(result.get("message"), file=sys.stderr)

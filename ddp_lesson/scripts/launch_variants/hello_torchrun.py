@@ -7,9 +7,12 @@ import os
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-t = torch.ones(1)
-dist.all_reduce(t)  # gloo on CPU tensors (with nccl the tensor would go on the GPU)
+use_cuda = torch.cuda.is_available()
+dist.init_process_group("nccl" if use_cuda else "gloo")
+if use_cuda:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+t = torch.ones(1, device="cuda" if use_cuda else "cpu")  # nccl needs GPU tensors
+dist.all_reduce(t)
 print(f"torchrun: rank {os.environ['RANK']} local_rank {os.environ['LOCAL_RANK']} "
       f"world {os.environ['WORLD_SIZE']} sum {t.item():.0f}", flush=True)
 dist.destroy_process_group()
