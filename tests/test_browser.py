@@ -1,22 +1,25 @@
 """The course in a real JupyterLab, driven by a real (headless) Chromium.
 
-What a learner does, end to end: open a notebook that shows the run panel, run its cells,
-see the device picker and the panel render, press Run and watch the live plot update until
-the status says ok, then press Run again and Stop while it trains, and find every process
-of that run gone.
+What a learner does, end to end: open a notebook that shows the run panel, run its cells
+from the Run menu, see the device picker and the panel render, press Run and watch the live
+plot update until the status says ok; press Run again and Stop while it trains, and find
+every process of that run gone; press Run once more and restart the kernel from the Kernel
+menu while it trains, and find every process of that run gone too.
 
-- JupyterLab runs on 127.0.0.1 on a free port, rooted in a temporary folder (a copy of the
-  course's notebook made for this test), with temporary Jupyter config/data/runtime/settings
-  folders, so nothing of the user's set-up is read or written.
+- JupyterLab runs on 127.0.0.1 on a free port, rooted in a temporary folder holding a small
+  notebook made for this test (the run panel on the reference DDP script), with temporary
+  Jupyter config/data/runtime/settings folders, so nothing of the user's set-up is read or
+  written. Runs land in the temporary folder's runs/.
 - Chromium: Playwright's sync API with the system's Chromium (`/usr/bin/chromium`, or
   `$DDP_LESSON_CHROMIUM`); Playwright's own browser download is not needed. The test
   skips, saying why, only when no Chromium or no Playwright is installed.
-- Screenshots go to test-artifacts/browser/ (with JupyterLab's log, for a failure).
+- Screenshots go to test-artifacts/browser/ (NN-<step>.png, and failure.png when a step
+  fails), with JupyterLab's log.
 - At the end JupyterLab is stopped and every process it started is ended by PID.
 """
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,8 +47,8 @@ KERNEL_READY_S = 120
 RUN_OK_S = 150
 STOP_S = 60
 
-# The notebook the learner opens (a small one made for this test: the first cells of the
-# lessons, the run panel on the reference script). Two code cells: set-up, then the panel.
+# The notebook the learner opens: the reference DDP script written to work/train.py, as the
+# lessons do, then the run panel on it (3 epochs: long enough to see the plot move).
 SETUP_CELL = """\
 import pathlib, shutil
 import ddp_lesson
@@ -191,7 +194,10 @@ class Shots:
 
     def __call__(self, name):
         self.n += 1
-        path = self.folder / f"{self.n:02d}-{name}.png"
+        return self.save(f"{self.n:02d}-{name}")
+
+    def save(self, name):
+        path = self.folder / f"{name}.png"
         try:
             self.page.screenshot(path=str(path), full_page=True)
         except Exception:  # a screenshot must never hide the real failure
@@ -282,9 +288,17 @@ def wait_for(page, locator, timeout, what):
 
 @pytest.mark.timeout(600)
 def test_run_panel_in_jupyterlab(lab, page):
+    shot = Shots(page, ARTIFACTS)
+    try:
+        drive(lab, page, shot)
+    except BaseException:
+        shot.save("failure")
+        raise
+
+
+def drive(lab, page, shot):
     from ddp_lesson import procs
 
-    shot = Shots(page, ARTIFACTS)
     page.goto(f"{lab.url}/lab/tree/panel.ipynb")
     wait_for(page, page.locator(".jp-NotebookPanel .jp-Cell").nth(2), KERNEL_READY_S, "the notebook")
     wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
