@@ -44,8 +44,22 @@ def _smi(args):
     return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
 
+def _visible(gpus, setting):
+    """The GPUs a CUDA_VISIBLE_DEVICES value (physical indices or UUIDs, as an instructor
+    may set per learner) leaves to this process. CUDA stops at the first unknown entry."""
+    kept = []
+    for item in (part.strip() for part in setting.split(",")):
+        match = [g for g in gpus if item and (item == str(g.index) or g.uuid.startswith(item))]
+        if len(match) != 1:
+            break
+        kept.append(match[0])
+    return kept
+
+
 def list_gpus():
-    """NVIDIA GPUs on this machine (empty list when there are none or no driver)."""
+    """NVIDIA GPUs this process may use (empty list when there are none or no driver).
+    Indices are physical (nvidia-smi's); a CUDA_VISIBLE_DEVICES already set in this
+    process's environment narrows the list, so a learner given GPUs 2,3 sees only those."""
     rows = _smi(["--query-gpu=index,name,memory.total,memory.used,uuid"])
     if not rows:
         return []
@@ -58,7 +72,9 @@ def list_gpus():
                 gpus[row[0]].processes.append((int(row[1]), int(float(row[2]))))
             except ValueError:
                 pass
-    return sorted(gpus.values(), key=lambda g: g.index)
+    found = sorted(gpus.values(), key=lambda g: g.index)
+    setting = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return found if setting is None else _visible(found, setting)
 
 
 def cpu_count():

@@ -94,7 +94,7 @@ def test_gpu_label():
     assert GPUS[2].label() == "GPU 2: Fake A100, 80 GiB (30000 MiB used), in use by 1 process(es)"
 
 
-def test_list_gpus_from_nvidia_smi(tmp_path, monkeypatch):
+def _fake_nvidia_smi(tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"
     fake.write_text("""#!/bin/sh
 case "$1" in
@@ -104,12 +104,32 @@ esac
 """)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_list_gpus_from_nvidia_smi(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch)
     gpus = devices.list_gpus()
     assert [g.index for g in gpus] == [0, 1]
     assert gpus[0].processes == [(4242, 19990)] and gpus[1].processes == []
     assert gpus[0].memory_total_mb == 81559 and gpus[0].uuid == "GPU-aaa"
     p = plan()  # found through the fake nvidia-smi
     assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1" and p.backend == "nccl"
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("1", [1]), ("GPU-aaa", [0]), ("1,0", [1, 0]), ("", []), ("0,7,1", [0]),
+])
+def test_cuda_visible_devices_of_the_caller_narrows_the_gpus(tmp_path, monkeypatch, setting, expected):
+    """An instructor gives a learner GPUs with CUDA_VISIBLE_DEVICES; the picker and the
+    launcher must stay inside them (CUDA stops at the first unknown entry)."""
+    _fake_nvidia_smi(tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", setting)
+    assert [g.index for g in devices.list_gpus()] == expected
+    if expected:
+        assert plan().env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, expected))
+        with pytest.raises(BadInput, match="does not exist"):
+            plan(gpus=[2])
 
 
 def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
