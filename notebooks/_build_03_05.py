@@ -650,11 +650,11 @@ The seed trained roberta-large for 2 epochs on two RTX 3090s:
 | 2 cards + accumulation 80 | ~570 s | 67 % |
 
 `accum_sweep.py` runs the same kind of sweep in **one** launch on 2 CPU ranks: first one
-process alone on the global batch of 32 (the other rank waits), then 2 ranks with
-micro-batches of 16 and k = 1, 4, 16, 64, at the same lr and number of epochs.
+process alone on the global batch of 64 (the other rank waits), then 2 ranks with
+micro-batches of 32 and k = 1, 4, 16, 64, at the same lr and number of epochs.
 '''),
 code('''
-sweep_run = check("accum_sweep", "--ks", "1,4,16,64", "--batch-size", 16, "--train-samples", 2048)
+sweep_run = check("accum_sweep", "--ks", "1,4,16,64", "--batch-size", 32, "--train-samples", 4096)
 sweep = verdict(sweep_run, "sweep.json")
 rows = sweep["rows"]
 print(f"{'setup':12s} {'k':>3s} {'time s':>7s} {'opt steps':>9s} {'ms/opt step':>11s} {'test acc':>8s}")
