@@ -779,6 +779,8 @@ the same result. Fewer steps at the same lr learn less: scale the lr or train lo
 
 
 def save(cells, name):
+    for i, cell in enumerate(cells):  # stable ids: a rebuild changes only what changed
+        cell["id"] = f"{name[:2]}-{i:02d}"
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"}})
