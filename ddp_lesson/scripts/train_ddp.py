@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson import data, metrics, models, syncbn
 
 
 def parse_args():
@@ -67,8 +67,8 @@ def main():
 
     channels, size = data.num_channels_and_size(args.dataset)
     model = models.SmallCNN(in_channels=channels, image_size=size).to(device)
-    if args.sync_bn:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # DDP
+    if args.sync_bn:  # DDP: BatchNorm statistics over all ranks (PyTorch's runs on GPUs only)
+        model = (torch.nn.SyncBatchNorm if use_cuda else syncbn).convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 

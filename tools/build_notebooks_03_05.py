@@ -1,13 +1,14 @@
 """Builds notebooks 03-05 (stored without outputs). The %%writefile cells are filled from
 ddp_lesson/scripts/, so the notebooks and the reference scripts cannot drift apart
-(tests/test_scripts_in_sync.py checks it too).   python notebooks/_build_03_05.py"""
+(tests/test_scripts_in_sync.py checks it too).   python tools/build_notebooks_03_05.py"""
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-HERE = Path(__file__).resolve().parent
-SCRIPTS = HERE.parent / "ddp_lesson" / "scripts"
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
+SCRIPTS = REPO / "ddp_lesson" / "scripts"
 
 
 def md(s):
@@ -784,7 +785,7 @@ def save(cells, name):
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"}})
-    nbformat.write(nb, HERE / name)
+    nbformat.write(nb, NOTEBOOKS / name)
 
 
 if __name__ == "__main__":
