@@ -35,36 +35,47 @@ def write_json(path, data):
     os.replace(tmp, path)
 
 
-class MetricsTail:
+class _Tail:
+    """Remembers how far each file of a folder was read; `_new(name)` returns what was
+    appended since (up to the last newline if whole_lines, so a line being written waits)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.offsets = {}
+
+    def _names(self):
+        try:
+            return sorted(os.listdir(self.folder))
+        except OSError:
+            return []
+
+    def _new(self, name, whole_lines=False):
+        offset = self.offsets.get(name, 0)
+        try:
+            with open(self.folder / name, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            return b""
+        if whole_lines:
+            chunk = chunk[:chunk.rfind(b"\n") + 1]
+        self.offsets[name] = offset + len(chunk)
+        return chunk
+
+
+class MetricsTail(_Tail):
     """Reads metrics/rank*.jsonl incrementally: each call returns only rows not seen yet
     (complete lines only, so a row being written is picked up next time)."""
 
     def __init__(self, run_dir):
-        self.folder = Path(run_dir) / "metrics"
-        self.offsets = {}
+        super().__init__(Path(run_dir) / "metrics")
 
     def read(self):
         rows = []
-        try:
-            names = sorted(os.listdir(self.folder))
-        except OSError:
-            return rows
-        for name in names:
+        for name in self._names():
             if not name.endswith(".jsonl"):
                 continue
-            path = self.folder / name
-            offset = self.offsets.get(name, 0)
-            try:
-                if path.stat().st_size <= offset:
-                    continue
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except OSError:
-                continue
-            end = chunk.rfind(b"\n") + 1
-            self.offsets[name] = offset + end
-            for line in chunk[:end].splitlines():
+            for line in self._new(name, whole_lines=True).splitlines():
                 try:
                     rows.append(json.loads(line))
                 except ValueError:
@@ -135,36 +146,24 @@ def compare(run_dirs):
     return [load(d).summary() for d in run_dirs]
 
 
-class LogTail:
+class LogTail(_Tail):
     """New text of the ranks' log files since the last call: [(rank, stream, text)]."""
 
     def __init__(self, run_dir, ranks=None, streams=("stdout", "stderr")):
-        self.folder = Path(run_dir) / "logs"
+        super().__init__(Path(run_dir) / "logs")
         self.ranks, self.streams = ranks, streams
-        self.offsets = {}
 
     def read(self):
         out = []
-        try:
-            names = sorted(os.listdir(self.folder))
-        except OSError:
-            return out
-        for name in names:
+        for name in self._names():
             m = re.fullmatch(r"rank(\d+)\.(stdout|stderr)\.log", name)
             if not m or m.group(2) not in self.streams:
                 continue
             rank = int(m.group(1))
             if self.ranks is not None and rank not in self.ranks:
                 continue
-            path = self.folder / name
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets.get(name, 0))
-                    data = f.read()
-            except OSError:
-                continue
+            data = self._new(name)
             if data:
-                self.offsets[name] = self.offsets.get(name, 0) + len(data)
                 out.append((rank, m.group(2), data.decode("utf-8", "replace")))
         return out
 
