@@ -7,7 +7,10 @@ TARGET is a script path or `-m module`. Before running it, the guard
   logs/rank<R>.error.json with the traceback, also for scripts without @record.
 Imports only the standard library, so it adds nothing measurable to start-up.
 """
+import atexit
 import ctypes
+import gc
+import io
 import json
 import os
 import runpy
@@ -93,13 +96,34 @@ def run_target(argv):
     try:
         run()
     except SystemExit as e:
-        if e.code not in (None, 0) and rank is not None:
-            _record(run_dir, rank, f"SystemExit: the script exited with status {e.code}", "")
-        raise
+        if e.code not in (None, 0):
+            if rank is not None:
+                _record(run_dir, rank, f"SystemExit: the script exited with status {e.code}", "")
+            raise
     except BaseException as e:
         if rank is not None:
             _record(run_dir, rank, f"{type(e).__name__}: {e}", _user_traceback(e))
         raise
+    if rank is not None and "torch.distributed" in sys.modules:
+        _exit_without_finalizing()
+
+
+def _exit_without_finalizing():
+    """A rank that finished its work exits 0 without the interpreter's finalization: there,
+    torch.distributed's C++ threads can be torn down in the wrong order and abort the
+    process ("terminate called without an active exception", SIGABRT; seen here on gloo,
+    cf. pytorch/pytorch#190489), turning a finished run into a failed one. What
+    finalization would do for the script is done first: atexit handlers, then flushing
+    every open file."""
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:  # a broken pipe or a half-closed stream must not block the exit
+                pass
+    os._exit(0)
 
 
 def main(argv=None):

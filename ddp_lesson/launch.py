@@ -153,8 +153,10 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     # torchrun >= 2.5 hands its rendezvous store to the ranks and keeps it across elastic
     # restarts, so a restarted rank can read the previous attempt's gloo/NCCL addresses and
     # fail ("connectFullMesh ... Connection refused") or hang (pytorch/pytorch#135712).
-    # A fresh store per attempt, hosted by rank 0 on a free port, avoids that.
-    child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # A fresh store per attempt, hosted by rank 0 on a free port, avoids that. Only where
+    # restarts can happen: otherwise runs stay exactly as under plain torchrun.
+    if max_restarts > 0:
+        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     child_env.update({k: str(v) for k, v in (env or {}).items()})
     config = {
         "script": str(script.resolve()), "args": args, "label": label or script.stem,

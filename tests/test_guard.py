@@ -152,3 +152,29 @@ def test_script_dir_is_importable(tmp_path, write_script):
     p = subprocess.run(GUARD + [str(run_dir / "script.py")], capture_output=True, text=True,
                        env=guard_env(DDP_LESSON_SCRIPT_DIR=tmp_path), timeout=60, cwd=run_dir)
     assert p.returncode == 0 and p.stdout == "42\n", p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_distributed_rank_exits_0_with_atexit_run_and_files_flushed(tmp_path, write_script):
+    """A rank that imported torch.distributed skips the interpreter's finalization (where
+    gloo's threads can abort the process at random); what finalization would do for the
+    script still happens: atexit handlers run, files left open are flushed."""
+    script = write_script("finish.py", """
+        import atexit, os, sys
+        import torch.distributed as dist
+        store = dist.FileStore(sys.argv[1], 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.destroy_process_group()
+        left_open = open(sys.argv[2], "w")
+        left_open.write("all of it")  # never closed, never flushed by the script
+        atexit.register(lambda: open(sys.argv[3], "w").write("atexit ran"))
+        print("done", flush=True)
+    """)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    data, marker = tmp_path / "data.txt", tmp_path / "atexit.txt"
+    p = run_rank(script, run_dir, str(tmp_path / "store"), str(data), str(marker))
+    assert p.returncode == 0, (run_dir / "logs" / "rank1.stderr.log").read_text()
+    assert data.read_text() == "all of it"
+    assert marker.read_text() == "atexit ran"
+    assert "done" in (run_dir / "logs" / "rank1.stdout.log").read_text()
