@@ -1,9 +1,9 @@
 """What watching a run costs: the same small training run (train_ddp.py, 2 CPU ranks) with
 and without a RunPanel polling and redrawing, side by side in one process, in the order
-A B B A so that a drift in machine load hits both alike. Prints the throughput ratio
+A B B A (twice) so that a drift in machine load hits both alike. Prints the throughput ratio
 (goal: within 5%) and the time to redraw a live plot of 10,000 points (goal: < 100 ms).
 
-    python bench/panel_overhead.py            # 2 epochs, A B B A
+    python bench/panel_overhead.py            # 2 epochs, A B B A A B B A
     python bench/panel_overhead.py --quick    # 1 epoch, A B (for CI)
 
 Throughput is the samples/s the script logs per epoch (summed over ranks), which leaves
@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=None)
     opts = ap.parse_args()
     epochs = opts.epochs or (1 if opts.quick else 2)
-    order = "AB" if opts.quick else "ABBA"
+    order = "AB" if opts.quick else "ABBAABBA"
     args = ["--epochs", str(epochs)]
     base = tempfile.mkdtemp(prefix="panel-bench-")
     print(f"panel overhead: train_ddp.py --epochs {epochs} on 2 CPU ranks, order {' '.join(order)}"
@@ -89,8 +89,9 @@ def main():
             got[which].append((tp, result["duration_s"], cpu))
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    a, wall_a, cpu_a = (statistics.mean(v) for v in zip(*got["A"]))
-    b, wall_b, cpu_b = (statistics.mean(v) for v in zip(*got["B"]))
+    # medians: one run disturbed by something else on the machine must not decide it
+    a, wall_a, cpu_a = (statistics.median(v) for v in zip(*got["A"]))
+    b, wall_b, cpu_b = (statistics.median(v) for v in zip(*got["B"]))
     ratio = b / a
     print(f"throughput ratio with/without panel: {ratio:.3f} "
           f"({'within' if ratio >= 0.95 else 'OUTSIDE'} the 5% goal); "
