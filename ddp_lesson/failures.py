@@ -23,37 +23,49 @@ def explain(exitcode):
     return f"exited with status {exitcode}"
 
 
-def _agent_root_cause(agent_log):
-    """(rank, exitcode) from torchrun's 'Root Cause (first observed failure)' block."""
+def _agent_failures(agent_log):
+    """[(rank, exitcode, is_root)] from the summary torchrun prints when the run fails
+    (its 'Failures:' and 'Root Cause' entries). torchrun's own choice of root cause
+    compares whole seconds, so it cannot be trusted alone."""
     text = Path(agent_log).read_text(errors="replace") if Path(agent_log).exists() else ""
-    block = text.split("Root Cause", 1)[-1] if "Root Cause" in text else ""
-    rank = re.search(r"rank\s*:\s*(\d+)", block)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
-    if not rank or not code:
-        return None
-    return int(rank.group(1)), int(code.group(1))
+    if "Failures:" in text:
+        text = text[text.rindex("Failures:"):]
+    elif "Root Cause" in text:
+        text = text[text.rindex("Root Cause"):]
+    else:
+        return []
+    root_at = text.find("Root Cause")
+    entry = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+    return [(int(m.group(1)), int(m.group(2)), root_at != -1 and m.start() > root_at)
+            for m in entry.finditer(text)]
 
 
 def root_cause(run_dir):
-    """{rank, exitcode, message, traceback} of the first failing rank, or None."""
+    """{rank, exitcode, message, traceback} of the first failing rank, or None.
+
+    A rank that died without a Python exception (killed by -9, a segfault, os._exit) is the
+    cause: the errors other ranks then raise ("connection closed by peer") are consequences.
+    Otherwise the earliest exception wins. Exit code -15 is torchrun's own teardown."""
     logs = Path(run_dir) / "logs"
     errors = [e for e in (read_json(p) for p in logs.glob("rank*.error.json")) if e]
-    agent = _agent_root_cause(logs / "agent.log")
     if errors:
         latest = max(e.get("restart", 0) for e in errors)
         errors = [e for e in errors if e.get("restart", 0) == latest]
-    if agent and agent[1] != -15 and agent[0] not in {e["rank"] for e in errors}:
-        # The first rank torchrun saw fail died without a Python exception (a signal such
-        # as -9, or os._exit): the errors the other ranks raised (peer connection closed)
-        # are consequences of it, not the cause.
-        errors = []
+    failures = _agent_failures(logs / "agent.log")
+    codes = {rank: code for rank, code, _ in failures}
+    raised = {e["rank"] for e in errors}
+    silent = [f for f in failures if f[0] not in raised and f[1] != -15]
+    if silent:
+        rank, exitcode, _ = max(silent, key=lambda f: f[2])  # torchrun's root cause if it is one
+        return {"rank": rank, "exitcode": exitcode, "message": f"rank {rank} {explain(exitcode)}",
+                "traceback": tail_text(logs / f"rank{rank}.stderr.log", 30)}
     if errors:
         first = min(errors, key=lambda e: e["time"])
-        exitcode = agent[1] if agent and agent[0] == first["rank"] else 1
         tb = first.get("traceback") or tail_text(logs / f"rank{first['rank']}.stderr.log", 30)
-        return {"rank": first["rank"], "exitcode": exitcode, "message": first["message"], "traceback": tb}
-    if agent:
-        rank, exitcode = agent
+        return {"rank": first["rank"], "exitcode": codes.get(first["rank"], 1), "message": first["message"],
+                "traceback": tb}
+    if failures:
+        rank, exitcode, _ = max(failures, key=lambda f: f[2])
         return {"rank": rank, "exitcode": exitcode, "message": f"rank {rank} {explain(exitcode)}",
                 "traceback": tail_text(logs / f"rank{rank}.stderr.log", 30)}
     return None
