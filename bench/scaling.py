@@ -155,11 +155,11 @@ def run_one(nproc, quick=True, cpu=False, samples=None, batch_size=64, run_dir=N
     the all-reduce sweep and of the DDP knobs, under "allreduce" and "knobs")."""
     sys.path.insert(0, str(HERE.parent))
     from ddp_lesson import launch, runs
-    samples = samples or (2048 if quick else 8192)
+    samples = samples or (8192 if quick else 32768)  # quick: ~1 s of steps per launch, enough for a stable median
     run = launch.start(Path(__file__), nproc=nproc, cpu=cpu, run_dir=run_dir, timeout=timeout,
                        label=f"scaling-{nproc}", env={"OMP_NUM_THREADS": 1},
                        args=["--worker", "--samples", samples, "--batch-size", batch_size,
-                             "--compute-steps", 8 if quick else 30] + (["--extras"] if extras else []))
+                             "--compute-steps", 16 if quick else 30] + (["--extras"] if extras else []))
     res = run.wait()
     if res["status"] != "ok":
         raise RuntimeError(f"scaling run with {nproc} rank(s) {res['status']}: {res.get('message')}")
