@@ -32,6 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import wait_until
+
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "browser"
 
@@ -206,14 +208,10 @@ class Shots:
 
 
 def poll(predicate, timeout, interval=0.25, what="condition"):
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+    value = wait_until(predicate, timeout, interval)
+    if not value:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return value
 
 
 @pytest.fixture(scope="module")
