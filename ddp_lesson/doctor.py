@@ -79,7 +79,7 @@ def check_host(out):
                                   f"use a fixed port", out))
     except OSError as e:
         levels.append(_line("fail", f"cannot bind a port on 127.0.0.1 ({e}); check the loopback interface", out))
-    left = [p for run_dir, ps in procs.by_run().items() if not supervised(run_dir) for p in ps]
+    left = [p for run_dir, ps in procs.by_run().items() if supervisor(run_dir) is None for p in ps]
     if left:
         levels.append(_line("warn", f"{len(left)} process(es) of earlier ddp_lesson runs are still alive: "
                                     f"run `python -m ddp_lesson cleanup`", out))
@@ -115,10 +115,12 @@ def main(out=sys.stdout):
     return 1 if fails else 0
 
 
-def supervised(run_dir):
-    """True while the process that launched the run (a notebook kernel, a terminal) lives."""
+def supervisor(run_dir):
+    """The PID of the process that launched the run (a notebook kernel, a terminal) while
+    it lives, else None."""
     launcher = (read_json(Path(run_dir) / "config.json", {}) or {}).get("launcher") or {}
-    return procs.is_alive(launcher.get("pid"), launcher.get("create_time"))
+    alive = procs.is_alive(launcher.get("pid"), launcher.get("create_time"))
+    return launcher["pid"] if alive else None
 
 
 def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
@@ -127,11 +129,12 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
     launcher is still alive is not a leftover and is spared, unless everything=True."""
     by_run = procs.by_run()
     if not everything:
-        for run_dir in [d for d in by_run if d and supervised(d)]:
-            print(f"sparing run {run_dir}: its launcher (pid "
-                  f"{read_json(Path(run_dir) / 'config.json')['launcher']['pid']}) still supervises it "
-                  f"(use --all to end it too)", file=out)
-            del by_run[run_dir]
+        for run_dir in list(by_run):
+            pid = supervisor(run_dir)
+            if pid is not None:
+                print(f"sparing run {run_dir}: its launcher (pid {pid}) still supervises it "
+                      f"(use --all to end it too)", file=out)
+                del by_run[run_dir]
     found = [p for ps in by_run.values() for p in ps]
     if not found:
         print("no leftover processes of ddp_lesson runs", file=out)

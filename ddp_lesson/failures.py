@@ -71,11 +71,15 @@ def root_cause(run_dir):
     return None
 
 
+def headline(failure):
+    """One line: which rank failed first, and why."""
+    return f"Rank {failure['rank']} failed first ({explain(failure['exitcode'])}): {failure['message']}"
+
+
 def describe(failure):
     """A few lines for a person: which rank, why, and its traceback."""
     if not failure:
         return "The run failed before any rank reported an error; see logs/agent.log."
-    head = (f"Rank {failure['rank']} failed first ({explain(failure['exitcode'])}): "
-            f"{failure['message']}")
+    head = headline(failure)
     tb = (failure.get("traceback") or "").rstrip()
     return head + ("\n" + tb if tb else "")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from . import BadInput, __version__, devices, failures, procs
-from .runs import LogTail, MetricsTail, new_run_dir, write_json
+from .runs import LogTail, MetricsTail, new_run_dir, tail_text, write_json
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
 STOP_GRACE_S = 5.0       # our wait for torchrun itself before SIGKILL of everything
@@ -220,7 +220,6 @@ class Run:
         return new
 
     def log_tail(self, rank=0, lines=20, stream="stdout"):
-        from .runs import tail_text
         return tail_text(self.run_dir / "logs" / f"rank{rank}.{stream}.log", lines)
 
     def output(self, ranks=None):

@@ -411,8 +411,7 @@ class RunPanel:
         if status == "failed":
             f = res.get("failure")
             if f:
-                return (f"Failed: rank {f['rank']} failed first ({failures.explain(f['exitcode'])}): "
-                        f"{f['message']}")
+                return "Failed: " + failures.headline(f)
             return "Failed: " + res.get("message", "see logs/agent.log in the run directory.").splitlines()[0]
         if status == "interrupted":
             return "Interrupted: " + res.get("message", "the run was stopped.")
