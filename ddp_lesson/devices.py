@@ -6,7 +6,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from . import BadInput
+from . import BadInput, checks
 
 CPU_DEFAULT_NPROC = 2
 
@@ -84,6 +84,17 @@ def cpu_count():
         return os.cpu_count() or 1
 
 
+def default_cpu_nproc():
+    """CPU ranks when none are asked: DDP_LESSON_NPROC if set (so tests and CI can play a
+    machine with N devices), else CPU_DEFAULT_NPROC, at most one per core."""
+    value = os.environ.get("DDP_LESSON_NPROC", "").strip()
+    if not value:
+        return max(1, min(CPU_DEFAULT_NPROC, cpu_count()))
+    if not value.isdigit() or int(value) < 1:
+        raise BadInput(f"DDP_LESSON_NPROC must be a whole number of at least 1, got {value!r}.")
+    return int(value)
+
+
 def backend_for(use_gpus):
     """nccl for GPU ranks (not on Windows, where NCCL does not exist), gloo otherwise."""
     return "nccl" if use_gpus and sys.platform.startswith("linux") else "gloo"
@@ -97,9 +108,14 @@ class Plan:
     env: dict           # what every rank's environment gets
 
     def describe(self):
-        if self.gpus:
-            return f"{self.nproc} rank(s) on GPU(s) {','.join(map(str, self.gpus))} with {self.backend}"
-        return f"{self.nproc} CPU process(es) with {self.backend}"
+        return describe(self.nproc, self.gpus, self.backend)
+
+
+def describe(nproc, gpus, backend):
+    """The one wording of a device plan, for a Plan, a run's config and the picker."""
+    if gpus and gpus != "cpu":
+        return f"{nproc} rank(s) on GPU(s) {','.join(map(str, gpus))} with {backend}"
+    return f"{nproc} CPU process(es) with {backend}"
 
 
 def _as_ids(gpus):
@@ -117,14 +133,7 @@ def plan(nproc=None, gpus=None, cpu=False, available=None):
 
     gpus: None (all GPUs, or CPU ranks when there are none), a list of physical ids or
     "0,1"; cpu=True forces CPU ranks on gloo even where GPUs exist."""
-    if nproc is not None:
-        if isinstance(nproc, bool) or not isinstance(nproc, int):
-            try:
-                nproc = int(str(nproc).strip())
-            except ValueError:
-                raise BadInput(f"The number of processes must be a whole number, got {nproc!r}.") from None
-        if nproc < 1:
-            raise BadInput(f"The number of processes must be at least 1, got {nproc}.")
+    nproc = checks.number("--nproc", nproc, 1, allow_none=True)
     found = list_gpus() if available is None else available
     if gpus is not None and not cpu:
         ids = _as_ids(gpus)
@@ -145,7 +154,7 @@ def plan(nproc=None, gpus=None, cpu=False, available=None):
             raise BadInput(f"This machine has {len(found)} GPU(s); ask for at most {len(found)} "
                            f"processes, or use CPU processes (--cpu).")
         return _gpu_plan([g.index for g in found][: nproc or len(found)])
-    n = nproc or max(1, min(CPU_DEFAULT_NPROC, cpu_count()))
+    n = checks.cpu_ranks(nproc or default_cpu_nproc(), cpu_count())
     threads = max(1, cpu_count() // n)
     return Plan(n, [], "gloo", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)})
 

@@ -55,8 +55,9 @@ class DevicePicker:
 
     gpus: a list of devices.GPU, or None to detect them with nvidia-smi."""
 
-    def __init__(self, gpus=None, nproc=devices.CPU_DEFAULT_NPROC, max_nproc=None):
+    def __init__(self, gpus=None, nproc=None, max_nproc=None):
         self.gpus = devices.list_gpus() if gpus is None else list(gpus)
+        nproc = nproc or devices.default_cpu_nproc()  # DDP_LESSON_NPROC, else 2
         max_nproc = max_nproc or max(4, devices.cpu_count() * 2)
         self.nproc = W.BoundedIntText(value=min(nproc, max_nproc), min=1, max=max_nproc,
                                       description="processes", layout=W.Layout(width="170px"))

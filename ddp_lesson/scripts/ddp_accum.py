@@ -32,17 +32,20 @@ def parse_args():
     return p.parse_args()
 
 
-def evaluate(model, loader, device):
+def evaluate(model, test_set, rank, world_size, device):
+    # DDP: a plain split rank::world_size counts every test sample exactly once. A
+    # DistributedSampler would pad the last shard with duplicates to equal lengths.
+    shard = Subset(test_set, range(rank, len(test_set), world_size))
     model.eval()
     counts = torch.zeros(2, device=device)  # [correct, seen] on this rank
     with torch.no_grad():
-        for x, y in loader:
+        for x, y in DataLoader(shard, batch_size=256):
             x, y = x.to(device), y.to(device)
             counts[0] += (model(x).argmax(1) == y).sum()
             counts[1] += len(y)
     dist.all_reduce(counts)  # DDP: add up counts over ranks, then divide
     model.train()
-    return (counts[0] / counts[1]).item()
+    return (counts[0] / counts[1]).item(), int(counts[1].item())  # accuracy, samples counted
 
 
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
@@ -66,14 +69,12 @@ def main():
     test_set = data.shapes_split(train=False)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    test_loader = DataLoader(test_set, batch_size=256,
-                             sampler=DistributedSampler(test_set, shuffle=False))  # DDP
 
     model = models.SmallCNN().to(device)
     if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
-        if use_cuda:
+        if device.type == "cuda":  # PyTorch's SyncBatchNorm: statistics gathered over nccl
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:  # PyTorch's SyncBatchNorm is GPU-only; the course's CPU version does the same
+        else:  # it refuses CPU tensors; the course's CPU version does the same sums over gloo
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -109,8 +110,8 @@ def main():
                 print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "
                       f"loss {loss.item():.3f}", end="", flush=True)
         epoch_s = time.perf_counter() - t0
-        test_acc = evaluate(model, test_loader, device)
-        metrics.log(step, test_accuracy=test_acc, epoch_s=epoch_s, epoch=epoch)
+        test_acc, test_samples = evaluate(model, test_set, rank, world_size, device)
+        metrics.log(step, test_accuracy=test_acc, test_samples=test_samples, epoch_s=epoch_s, epoch=epoch)
         if rank == 0:
             print(f"  test accuracy {test_acc:.1%} ({epoch_s:.1f} s)", flush=True)
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_lesson import data, metrics, models, syncbn
@@ -33,17 +33,20 @@ def parse_args():
     return p.parse_args()
 
 
-def evaluate(model, loader, device):
+def evaluate(model, test_set, rank, world_size, device):
+    # DDP: a plain split rank::world_size counts every test sample exactly once. A
+    # DistributedSampler would pad the last shard with duplicates to equal lengths.
+    shard = Subset(test_set, range(rank, len(test_set), world_size))
     model.eval()
-    correct = torch.zeros(2, device=device)  # [correct, count] on this rank
+    counts = torch.zeros(2, device=device)  # [correct, seen] on this rank
     with torch.no_grad():
-        for x, y in loader:
+        for x, y in DataLoader(shard, batch_size=256):
             x, y = x.to(device), y.to(device)
-            correct[0] += (model(x).argmax(1) == y).sum()
-            correct[1] += len(y)
-    dist.all_reduce(correct)  # DDP: sum counts over ranks, then divide
+            counts[0] += (model(x).argmax(1) == y).sum()
+            counts[1] += len(y)
+    dist.all_reduce(counts)  # DDP: add up counts over ranks, then divide
     model.train()
-    return (correct[0] / correct[1]).item()
+    return (counts[0] / counts[1]).item(), int(counts[1].item())  # accuracy, samples counted
 
 
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
@@ -62,13 +65,12 @@ def main():
     test_set = data.get(args.dataset, train=False, root=args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard each
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    test_loader = DataLoader(test_set, batch_size=256,
-                             sampler=DistributedSampler(test_set, shuffle=False, drop_last=True))
 
     channels, size = data.num_channels_and_size(args.dataset)
     model = models.SmallCNN(in_channels=channels, image_size=size).to(device)
-    if args.sync_bn:  # DDP: BatchNorm statistics over all ranks (PyTorch's runs on GPUs only)
-        model = (torch.nn.SyncBatchNorm if use_cuda else syncbn).convert_sync_batchnorm(model)
+    if args.sync_bn:  # DDP: BatchNorm statistics over all ranks (PyTorch's takes GPU tensors only)
+        sync_bn = torch.nn.SyncBatchNorm if device.type == "cuda" else syncbn  # chosen by device
+        model = sync_bn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
@@ -98,8 +100,9 @@ def main():
                       f"loss {loss.item():.3f}", end="", flush=True)
         throughput = torch.tensor([seen / (time.time() - t0)], device=device)
         dist.all_reduce(throughput)  # DDP: for the log only: samples/s over all ranks
-        acc = evaluate(model, test_loader, device)
-        metrics.log(step, accuracy=acc, samples_per_s=throughput.item(), epoch=epoch)
+        acc, test_samples = evaluate(model, test_set, rank, world, device)
+        metrics.log(step, accuracy=acc, test_samples=test_samples, samples_per_s=throughput.item(),
+                    epoch=epoch)
         if rank == 0:
             print(f"  test accuracy {acc:.1%}, {throughput.item():.0f} samples/s", flush=True)
             if args.checkpoint:  # DDP: one writer; write then rename, so a crash never leaves half a file

@@ -1,0 +1,73 @@
+"""World size is a parameter of the course (DESIGN.md "world size" and "evaluation rows").
+
+DDP_LESSON_NPROC=N sets the default number of CPU ranks; every lesson script counts each
+test sample exactly once at any world size. The runs are real torchrun trees at 1 and 3
+gloo ranks (3 does not divide the 1024 test samples, so DistributedSampler's padding
+would show as 1026), all started together so the suite pays torchrun's start-up once."""
+from pathlib import Path
+
+import pytest
+
+from ddp_lesson import BadInput, data, devices, launch, runs
+from ddp_lesson.widgets import DevicePicker
+
+SCRIPTS = Path(launch.__file__).parent / "scripts"
+TINY = ["--epochs", "1", "--train-samples", "96", "--batch-size", "16"]
+TEST_SET_SIZE = len(data.shapes_split(train=False))
+
+RUNS = {  # name: (script, nproc, args, the key of its test-accuracy row)
+    "basic_1": ("ddp_basic.py", 1, TINY, "test_accuracy"),
+    "accum_3": ("ddp_accum.py", 3, TINY + ["--accum-steps", "2", "--sync-bn"], "test_accuracy"),
+    "train_3": ("train_ddp.py", 3, ["--epochs", "1", "--batch-size", "256"], "accuracy"),
+}
+
+
+def test_default_cpu_ranks_follow_ddp_lesson_nproc(monkeypatch):
+    monkeypatch.delenv("DDP_LESSON_NPROC", raising=False)
+    assert devices.plan(available=[]).nproc == min(2, devices.cpu_count())
+    for n in (1, 3, 4):
+        monkeypatch.setenv("DDP_LESSON_NPROC", str(n))
+        assert devices.plan(available=[]).nproc == n
+        assert DevicePicker(gpus=[]).selection() == {"nproc": n}
+        assert devices.plan(nproc=2, available=[]).nproc == 2  # an explicit request wins
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_bad_ddp_lesson_nproc_is_one_sentence(monkeypatch, value):
+    monkeypatch.setenv("DDP_LESSON_NPROC", value)
+    with pytest.raises(BadInput, match="DDP_LESSON_NPROC"):
+        devices.plan(available=[])
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    base = tmp_path_factory.mktemp("world_size")
+    started = {name: launch.start(SCRIPTS / script, nproc=nproc, cpu=True, args=args,
+                                  run_dir=base / name, timeout=300)
+               for name, (script, nproc, args, _) in RUNS.items()}
+    yield started
+    for run in started.values():
+        run.stop()
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_evaluation_counts_each_test_sample_once(launched, name):
+    script, nproc, _, key = RUNS[name]
+    result = launched[name].wait()
+    assert result["status"] == "ok", result.get("message")
+    record = runs.load(launched[name].run_dir)
+    assert record.config["world_size"] == nproc
+    rows = [r for r in record.rows if key in r]
+    assert rows, f"{script} logged no {key} row"
+    assert {r["rank"] for r in rows} == set(range(nproc))
+    for row in rows:
+        assert row["test_samples"] == TEST_SET_SIZE, (script, nproc, row)
+
+
+def test_lesson_scripts_share_one_evaluate():
+    """ddp_syncbn's evaluate() is ddp_basic's (the lessons differ by a few lines), so the runs
+    above cover it without a launch of its own."""
+    def evaluate_of(name):
+        src = (SCRIPTS / name).read_text()
+        return src[src.index("def evaluate("):src.index("@record")]
+    assert evaluate_of("ddp_basic.py") == evaluate_of("ddp_syncbn.py") == evaluate_of("ddp_accum.py")
