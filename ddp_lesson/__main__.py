@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import BadInput, launch
+from . import BadInput, checks, devices, failures, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
@@ -73,14 +73,18 @@ def follow(run, out=sys.stdout, err=sys.stderr):
         ended = run.wait(timeout=0.2) is not None
 
 
-def report(run, out=sys.stdout, err=sys.stderr):
+def report(run, out=sys.stdout, err=sys.stderr, echoed=False):
+    """The ending; when the ranks' output was echoed, their tracebacks were shown already."""
     res = run.result
     status = res["status"]
     if status == "ok":
         print(f"\nrun ok in {res['duration_s']:.1f} s; run directory: {run.run_dir}", file=out)
     else:
         print(f"\nrun {status} after {res['duration_s']:.1f} s; run directory: {run.run_dir}", file=err)
-        print(res.get("message", ""), file=err)
+        message = res.get("message", "")
+        if res.get("failure"):
+            message = failures.describe(res["failure"], traceback=not echoed)
+        print(message, file=err)
     return EXIT[status]
 
 
@@ -92,7 +96,7 @@ def supervise(run, quiet=False):
             follow(run)
     except KeyboardInterrupt:
         run.stop()
-    return report(run)
+    return report(run, echoed=not quiet)
 
 
 def cmd_run(a, script_args):
@@ -103,10 +107,11 @@ def cmd_run(a, script_args):
 
 
 def cmd_demo(a):
-    epochs = launch._check_number("--epochs", a.epochs, 1)
+    epochs = checks.number("--epochs", a.epochs, 1)
     run = launch.start(SCRIPTS / "train_ddp.py", nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
                        args=["--epochs", str(epochs)], run_dir=a.run_dir, label="demo")
-    print(f"demo: {run.config['nproc']} rank(s) on {run.config['backend']}, {epochs} epoch(s); "
+    what = devices.describe(run.config["nproc"], run.config["devices"], run.config["backend"])
+    print(f"demo: {what}, {epochs} epoch(s); "
           f"run directory {run.run_dir}", flush=True)
     code = supervise(run)
     if code == 0:

@@ -1,6 +1,15 @@
 """Root cause of a failed run: the first rank that failed, its exit code and traceback,
-not the ranks torchrun tore down after it."""
-import re
+not the ranks torchrun tore down after it.
+
+Reads two structured records, never torchrun's printed summary:
+- logs/agent.failures.json, written by the agent's guard from torchrun's own failure record
+  of the final attempt (rank, local_rank, pid, exitcode, error_file, timestamp), or the
+  signal that stopped the agent;
+- logs/rank<R>.error.json, written by each rank's guard when the script raised (message,
+  traceback, time to the microsecond, pid).
+"""
+import signal
+
 from pathlib import Path
 
 from .runs import read_json, tail_text
@@ -13,6 +22,22 @@ SIGNALS = {
     -6: "aborted (SIGABRT, -6): often a NCCL/gloo error or a failed C++ check; see its stderr",
     -11: "crashed with a segmentation fault (SIGSEGV, -11)",
 }
+TEARDOWN = (-15, -6)  # what a peer dies of while the run is torn down after a failure
+
+# (words in the error, one line for a person); the first match wins
+HINTS = [
+    (("Found no NVIDIA driver", "Torch not compiled with CUDA", "no CUDA GPUs are available",
+      "CUDA driver initialization failed"),
+     "hint: this machine has no usable NVIDIA GPU/CUDA; run on CPU ranks with gloo (--cpu, and "
+     "device 'cpu' in the script) or use a GPU machine."),
+    (("doesn't have NCCL built in", "ProcessGroupNCCL is only supported with GPUs",
+      "NCCL is not available"),
+     "hint: nccl needs NVIDIA GPUs and a CUDA build of torch; on CPU ranks use the gloo backend."),
+    (("CUDA out of memory", "OutOfMemoryError"),
+     "hint: the GPU ran out of memory; try a smaller batch, a smaller model or fewer ranks per GPU."),
+    (("Address already in use", "EADDRINUSE"),
+     "hint: a port was already taken; do not hard-code MASTER_PORT (29500), let the launcher pick one."),
+]
 
 
 def explain(exitcode):
@@ -23,63 +48,100 @@ def explain(exitcode):
     return f"exited with status {exitcode}"
 
 
-def _agent_failures(agent_log):
-    """[(rank, exitcode, is_root)] from the summary torchrun prints when the run fails
-    (its 'Failures:' and 'Root Cause' entries). torchrun's own choice of root cause
-    compares whole seconds, so it cannot be trusted alone."""
-    text = Path(agent_log).read_text(errors="replace") if Path(agent_log).exists() else ""
-    if "Failures:" in text:
-        text = text[text.rindex("Failures:"):]
-    elif "Root Cause" in text:
-        text = text[text.rindex("Root Cause"):]
-    else:
-        return []
-    root_at = text.find("Root Cause")
-    entry = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
-    return [(int(m.group(1)), int(m.group(2)), root_at != -1 and m.start() > root_at)
-            for m in entry.finditer(text)]
+def hint(failure):
+    """One line for a common root cause, or None."""
+    if not failure:
+        return None
+    text = f"{failure.get('message', '')}\n{failure.get('traceback', '')}"
+    for words, line in HINTS:
+        if any(w in text for w in words):
+            return line
+    return None
+
+
+def _errors(logs):
+    return [e for e in (read_json(p) for p in sorted(logs.glob("rank*.error.json"))) if e]
+
+
+def _silent(logs, rank, exitcode):
+    return {"rank": rank, "exitcode": exitcode, "message": f"rank {rank} {explain(exitcode)}",
+            "traceback": tail_text(logs / f"rank{rank}.stderr.log", 30)}
+
+
+def _raised(logs, error, exitcode):
+    tb = error.get("traceback") or tail_text(logs / f"rank{error['rank']}.stderr.log", 30)
+    return {"rank": error["rank"], "exitcode": exitcode, "message": error["message"], "traceback": tb}
 
 
 def root_cause(run_dir):
-    """{rank, exitcode, message, traceback} of the first failing rank, or None.
+    """{rank, exitcode, message, traceback[, same_error]} of the first failing rank, or None.
 
-    A rank that died without a Python exception (killed by -9, a segfault, os._exit) is the
-    cause: the errors other ranks then raise ("connection closed by peer") are consequences.
-    Otherwise the earliest exception wins. Exit code -15 is torchrun's own teardown."""
+    Among the ranks torchrun reports for the final attempt: a rank that died without a
+    Python exception and not of teardown (-9, a segfault, os._exit) is the cause, since the
+    errors other ranks raise then ("connection closed by peer") are consequences; else the
+    earliest exception; else a rank that aborted or was stopped. An exception counts only
+    if the very process torchrun reports raised it (same pid), so an error file left by an
+    earlier restart cannot win. `rank` is None when the agent itself was stopped."""
     logs = Path(run_dir) / "logs"
-    errors = [e for e in (read_json(p) for p in logs.glob("rank*.error.json")) if e]
-    if errors:
+    errors = _errors(logs)
+    agent = read_json(logs / "agent.failures.json") or {}
+    if agent.get("signal"):
+        name = agent["signal"]
+        code = -int(getattr(signal, name, signal.SIGTERM))
+        return {"rank": None, "exitcode": code, "traceback": "",
+                "message": f"the torchrun agent was stopped by {name} from outside the run "
+                           f"(someone or something ended it); its ranks were ended with it"}
+    rows = agent.get("failures") or []
+    if rows:
+        by_pid = {e.get("pid"): e for e in errors}
+        silent = [r for r in rows if r["pid"] not in by_pid and r["exitcode"] not in TEARDOWN]
+        if silent:
+            first = min(silent, key=lambda r: (r["timestamp"], r["rank"]))
+            return _silent(logs, first["rank"], first["exitcode"])
+        raised = [(by_pid[r["pid"]], r["exitcode"]) for r in rows if r["pid"] in by_pid]
+        if raised:
+            error, code = min(raised, key=lambda x: x[0]["time"])
+            return _same_errors(_raised(logs, error, code), [e for e, _ in raised])
+        first = min(rows, key=lambda r: (TEARDOWN.index(r["exitcode"]) if r["exitcode"] in TEARDOWN
+                                         else -1, r["timestamp"], r["rank"]))
+        return _silent(logs, first["rank"], first["exitcode"])
+    if errors:  # the agent left no record (it was killed): the latest attempt's errors
         latest = max(e.get("restart", 0) for e in errors)
         errors = [e for e in errors if e.get("restart", 0) == latest]
-    failures = _agent_failures(logs / "agent.log")
-    codes = {rank: code for rank, code, _ in failures}
-    raised = {e["rank"] for e in errors}
-    silent = [f for f in failures if f[0] not in raised and f[1] != -15]
-    if silent:
-        rank, exitcode, _ = max(silent, key=lambda f: f[2])  # torchrun's root cause if it is one
-        return {"rank": rank, "exitcode": exitcode, "message": f"rank {rank} {explain(exitcode)}",
-                "traceback": tail_text(logs / f"rank{rank}.stderr.log", 30)}
-    if errors:
         first = min(errors, key=lambda e: e["time"])
-        tb = first.get("traceback") or tail_text(logs / f"rank{first['rank']}.stderr.log", 30)
-        return {"rank": first["rank"], "exitcode": codes.get(first["rank"], 1), "message": first["message"],
-                "traceback": tb}
-    if failures:
-        rank, exitcode, _ = max(failures, key=lambda f: f[2])
-        return {"rank": rank, "exitcode": exitcode, "message": f"rank {rank} {explain(exitcode)}",
-                "traceback": tail_text(logs / f"rank{rank}.stderr.log", 30)}
+        return _same_errors(_raised(logs, first, 1), errors)
     return None
+
+
+def _same_errors(failure, errors):
+    """Other ranks that raised the very same error are named, not shown again."""
+    same = sorted(e["rank"] for e in errors
+                  if e["rank"] != failure["rank"] and e["message"] == failure["message"])
+    if same:
+        failure["same_error"] = same
+    return failure
 
 
 def headline(failure):
     """One line: which rank failed first, and why."""
+    if failure.get("rank") is None:
+        return f"The run was stopped from outside: {failure['message']}"
     return f"Rank {failure['rank']} failed first ({explain(failure['exitcode'])}): {failure['message']}"
 
 
-def describe(failure):
-    """A few lines for a person: which rank, why, and its traceback."""
+def describe(failure, traceback=True):
+    """A few lines for a person: which rank, why, a hint for common causes, and (unless the
+    ranks' output was already shown) the traceback, once."""
     if not failure:
         return "The run failed before any rank reported an error; see logs/agent.log."
-    head = headline(failure)
+    lines = [headline(failure)]
+    if failure.get("same_error"):
+        ranks = ", ".join(map(str, failure["same_error"]))
+        lines.append(f"(rank {ranks} raised the same error)")
+    tip = hint(failure)
+    if tip:
+        lines.append(tip)
     tb = (failure.get("traceback") or "").rstrip()
-    return head + ("\n" + tb if tb else "")
+    if traceback and tb:
+        lines.append(tb)
+    return "\n".join(lines)

@@ -1,14 +1,27 @@
-"""What torchrun actually runs: `python -m ddp_lesson.guard [--signal SIG] TARGET ARGS...`.
+"""What the launcher runs: `python -m ddp_lesson.guard [--agent|--rank] [--parent PID]
+[--signal SIG] TARGET ARGS...`. TARGET is a script path or `-m module`.
 
-TARGET is a script path or `-m module`. Before running it, the guard
-- ends this process when its parent dies (a killed kernel or agent leaves nothing behind),
-- in a rank (RANK set and DDP_LESSON_RUN_DIR set): sends the rank's stdout/stderr to
-  logs/rank<R>.stdout.log / .stderr.log and, if the script raises, writes
-  logs/rank<R>.error.json with the traceback, also for scripts without @record.
-Imports only the standard library, so it adds nothing measurable to start-up.
+In every process it wraps, the guard first ties the process to its parent: the kernel
+delivers SIG (SIGKILL by default) when the parent dies (prctl PR_SET_PDEATHSIG), and if the
+expected parent (--parent, or the agent's PID for a rank) is already gone by the time that
+is armed, it exits at once, so a launcher killed right after start() leaves nothing.
+
+- the agent (`--agent`, wrapping torchrun; gets SIGTERM so torchrun tears its workers down):
+  becomes a child subreaper, so whatever a rank spawns (a daemon, a new session) stays
+  below it; when torchrun returns, fails or is stopped it ends every descendant and every
+  process that carries this run's identity (DDP_LESSON_RUN_DIR and DDP_LESSON_RUN_TOKEN);
+  writes logs/agent.failures.json from torchrun's own failure record (rank, exit code,
+  error file, timestamp) or the signal that stopped it.
+- a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): sends stdout/stderr to
+  logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
+  and prints the traceback once, from the script's own frames on; dumps its Python stack to
+  logs/rank<R>.stack.log on SIGUSR1 (the launcher asks for it when a run times out).
+A rank imports only the standard library here, so the guard adds nothing measurable to
+its start-up.
 """
 import atexit
 import ctypes
+import faulthandler
 import gc
 import io
 import json
@@ -19,29 +32,133 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+AGENT_ENV = "DDP_LESSON_AGENT_PID"   # a rank's expected parent: the torchrun agent
+AGENT_TEARDOWN_S = 15                # after its parent died, torchrun's teardown gets this long
+STACK_SIGNAL = signal.SIGUSR1
 
 
-def watch_parent(sig=signal.SIGKILL, interval=0.5):
-    """Deliver `sig` to this process when its parent goes away."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:  # the kernel delivers the signal at once; the thread below is the fallback
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
-        except (OSError, AttributeError):
-            pass
+def _prctl(option, value):
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, int(value), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def watch_parent(sig=signal.SIGKILL, parent=None, interval=0.5, on_orphan=None):
+    """Deliver `sig` to this process when `parent` (default: the current parent) goes away;
+    exit at once if it is already gone once the kernel has been told.
+
+    Where prctl works the kernel sends the signal, exactly once: a second signal from
+    here would interrupt a graceful teardown (torchrun's) half-way. The polling thread
+    sends it only where prctl is missing, and then calls `on_orphan` (the agent's
+    backstop) in both cases."""
+    armed = _prctl(PR_SET_PDEATHSIG, sig)
+    if parent is None:
+        parent = os.getppid()
+    if os.getppid() != parent:  # died before prctl was armed: nothing has started yet
+        os._exit(128 + int(sig))
+
+    if armed and on_orphan is None:
+        return  # the kernel does it all
 
     def poll():
-        while True:
-            if os.getppid() != parent:
-                os.kill(os.getpid(), sig)
-                time.sleep(3)  # a graceful signal had its chance; finish the job
-                os.kill(os.getpid(), signal.SIGKILL)
+        while os.getppid() == parent:
             time.sleep(interval)
+        if not armed:
+            os.kill(os.getpid(), sig)
+        if on_orphan is not None:
+            on_orphan()
 
     threading.Thread(target=poll, name="ddp-lesson-parent-guard", daemon=True).start()
 
+
+# -- the agent --------------------------------------------------------------------------------
+
+def _run_identity():
+    return os.environ.get("DDP_LESSON_RUN_DIR"), os.environ.get("DDP_LESSON_RUN_TOKEN")
+
+
+def sweep():
+    """End every descendant of this process and every process of this run (same run
+    directory and token), then reap what became our children. Called by the agent last."""
+    try:
+        import psutil
+        from ddp_lesson import procs
+    except ImportError:
+        return
+    try:
+        found = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        found = []
+    run_dir, token = _run_identity()
+    if run_dir and token:
+        found += procs.run_processes(run_dir, token=token)
+    procs.kill_all(found)
+    procs.wait_gone(found, timeout=5)
+    _reap()
+
+
+def _reap():
+    while True:  # a subreaper inherits orphans: collect their exit statuses
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _write_failures(data):
+    run_dir, _ = _run_identity()
+    if not run_dir:
+        return
+    path = os.path.join(run_dir, "logs", "agent.failures.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def _record_agent_exit(e):
+    """torchrun's own structured record of the final attempt, not its printed summary."""
+    if type(e).__name__ == "ChildFailedError":
+        rows = [{"rank": int(rank), "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
+                 "error_file": f.error_file, "timestamp": f.timestamp, "message": f.message}
+                for rank, f in sorted(e.failures.items())]
+        _write_failures({"failures": rows, "time": time.time()})
+    elif type(e).__name__ == "SignalException":
+        _write_failures({"signal": getattr(e, "sigval", signal.SIGTERM).name, "time": time.time()})
+
+
+def run_agent(argv):
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    os.environ[AGENT_ENV] = str(os.getpid())
+    try:
+        run_target(argv, rank=None)
+    except BaseException as e:
+        _record_agent_exit(e)
+        raise
+    finally:
+        sweep()
+
+
+def _orphaned_agent():
+    """The launcher died; torchrun got SIGTERM and tears down. If that takes too long,
+    end the subtree and exit anyway."""
+    time.sleep(AGENT_TEARDOWN_S)
+    sweep()
+    os._exit(1)
+
+
+# -- a rank -----------------------------------------------------------------------------------
 
 def _redirect(run_dir, rank):
     logs = os.path.join(run_dir, "logs")
@@ -50,6 +167,11 @@ def _redirect(run_dir, rank):
         f = open(os.path.join(logs, f"rank{rank}.{name}.log"), "ab", buffering=0)
         os.dup2(f.fileno(), fd)
         f.close()
+    stack = open(os.path.join(logs, f"rank{rank}.stack.log"), "w")
+    stack.write(f"main thread {threading.main_thread().ident:#x}\n")
+    stack.flush()
+    faulthandler.register(STACK_SIGNAL, file=stack, all_threads=True)
+    return stack  # kept open for the handler
 
 
 def _record(run_dir, rank, message, tb):
@@ -68,18 +190,21 @@ def _record(run_dir, rank, message, tb):
                 "py_callstack": tb, "timestamp": str(int(data["time"]))}}}, f)
 
 
+def _plumbing(filename):
+    return filename in (__file__, "<frozen runpy>") or filename.endswith("runpy.py")
+
+
 def _user_traceback(e):
-    """The traceback from the script's own frames on (the guard and runpy are noise)."""
+    """The traceback as `python script.py` shows it: from the script's own frames on (the
+    guard and runpy are noise); a syntax error has none of those frames at all."""
     tb = e.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
-                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+    while tb is not None and _plumbing(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
+    return "".join(traceback.format_exception(type(e), e, tb))
 
 
-def run_target(argv):
+def run_target(argv, rank=None):
     run_dir = os.environ.get("DDP_LESSON_RUN_DIR")
-    rank = os.environ.get("RANK")
     if run_dir and rank is not None:
         _redirect(run_dir, rank)
     if argv[0] == "-m":
@@ -93,49 +218,71 @@ def run_target(argv):
         if extra and extra not in sys.path:
             sys.path.insert(1, extra)
         run = lambda: runpy.run_path(script, run_name="__main__")  # noqa: E731
+    if rank is None:
+        run()
+        return
     try:
         run()
     except SystemExit as e:
-        if e.code not in (None, 0):
-            if rank is not None:
-                _record(run_dir, rank, f"SystemExit: the script exited with status {e.code}", "")
-            raise
+        if e.code in (None, 0):
+            _exit_rank(0)
+        code = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)  # what the interpreter prints for sys.exit("text")
+        _record(run_dir, rank, f"SystemExit: the script exited with status {e.code}", "")
+        _exit_rank(code)
     except BaseException as e:
-        if rank is not None:
-            _record(run_dir, rank, f"{type(e).__name__}: {e}", _user_traceback(e))
-        raise
-    if rank is not None and "torch.distributed" in sys.modules:
-        _exit_without_finalizing()
+        tb = _user_traceback(e)
+        _record(run_dir, rank, f"{type(e).__name__}: {e}", tb)
+        sys.stderr.write(tb)  # once, as the interpreter would, without our frames
+        _exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
+    _exit_rank(0)
 
 
-def _exit_without_finalizing():
-    """A rank that finished its work exits 0 without the interpreter's finalization: there,
-    torch.distributed's C++ threads can be torn down in the wrong order and abort the
-    process ("terminate called without an active exception", SIGABRT; seen here on gloo,
-    cf. pytorch/pytorch#190489), turning a finished run into a failed one. What
-    finalization would do for the script is done first: atexit handlers, then flushing
-    every open file."""
+def _exit_rank(code):
+    """A rank exits with `code`. Where torch.distributed was imported it skips the
+    interpreter's finalization: there, torch.distributed's C++ threads can be torn down
+    in the wrong order and abort the process ("terminate called without an active
+    exception", SIGABRT; seen here on gloo, cf. pytorch/pytorch#190489), turning a finished
+    run into a failed one and a clean sys.exit(3) into -6. What finalization would do for
+    the script is done first: atexit handlers, then flushing every open file."""
+    if "torch.distributed" not in sys.modules:
+        sys.exit(code)
     atexit._run_exitfuncs()
-    for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except Exception:  # a broken pipe or a half-closed stream must not block the exit
-                pass
-    os._exit(0)
+    with warnings.catch_warnings():  # looking at every object must not print deprecations
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if issubclass(type(obj), io.IOBase):  # type(): no __class__ lookup on proxies
+                try:
+                    if not obj.closed:
+                        obj.flush()
+                except Exception:  # a broken pipe or a half-closed stream must not block the exit
+                    pass
+    os._exit(code)
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    sig = signal.SIGKILL
-    if argv[:1] == ["--signal"]:
-        sig = signal.Signals["SIG" + argv[1]]
-        argv = argv[2:]
+    sig, parent, role = signal.SIGKILL, None, None
+    while argv[:1] and argv[0] in ("--signal", "--parent", "--agent", "--rank"):
+        if argv[0] == "--signal":
+            sig, argv = signal.Signals["SIG" + argv[1]], argv[2:]
+        elif argv[0] == "--parent":
+            parent, argv = int(argv[1]), argv[2:]
+        else:
+            role, argv = argv[0][2:], argv[1:]
     if not argv:
-        sys.exit("usage: python -m ddp_lesson.guard [--signal TERM] (SCRIPT | -m MODULE) [ARGS...]")
-    watch_parent(sig)
-    run_target(argv)
+        sys.exit("usage: python -m ddp_lesson.guard [--agent|--rank] [--parent PID] [--signal TERM] "
+                 "(SCRIPT | -m MODULE) [ARGS...]")
+    if role is None and "RANK" in os.environ and "DDP_LESSON_RUN_DIR" in os.environ:
+        role = "rank"
+    if role == "rank" and parent is None and os.environ.get(AGENT_ENV):
+        parent = int(os.environ[AGENT_ENV])
+    watch_parent(sig, parent, on_orphan=_orphaned_agent if role == "agent" else None)
+    if role == "agent":
+        run_agent(argv)
+    else:
+        run_target(argv, rank=os.environ.get("RANK", "0") if role == "rank" else None)
 
 
 if __name__ == "__main__":

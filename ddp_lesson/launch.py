@@ -13,7 +13,9 @@ import importlib.metadata
 import os
 import platform
 import queue
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import BadInput, __version__, devices, failures, procs
+from . import BadInput, __version__, checks, devices, failures, procs, stacks
 from .runs import LogTail, MetricsTail, new_run_dir, tail_text, write_json
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
@@ -30,38 +32,71 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 _live = set()
 
+# What the launcher's own environment may hold but a fresh run must not inherit: a kernel
+# started under torchrun or Slurm, or a shell where a tutorial exported MASTER_PORT, would
+# otherwise turn the agent into "a rank" and mix its rendezvous with another one.
+SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+         "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+         "TORCH_NCCL_ASYNC_ERROR_HANDLING_RANK")
+SCRUB_PREFIXES = ("TORCHELASTIC_", "PET_", "DDP_LESSON_RUN_", "DDP_LESSON_AGENT_")
+
+
+def clean_env(env):
+    return {k: v for k, v in env.items() if k not in SCRUB and not k.startswith(SCRUB_PREFIXES)}
+
 
 # Processes are spawned from one long-lived thread: a parent-death signal is tied to the
 # thread that forked, so a short-lived caller thread (a widget callback, say) must not be it.
+# That thread also registers the run and starts its watcher, so an interrupt in the caller
+# (which only the main thread receives) cannot leave an agent without either.
 _requests = queue.Queue()
 
 
 def _spawner():
     while True:
-        args, kwargs, box = _requests.get()
+        req = _requests.get()
         try:
-            box.append(subprocess.Popen(*args, **kwargs))
+            req["box"].append(req["fn"]())
         except BaseException as e:  # handed back to the caller
-            box.append(e)
-        _requests.task_done()
+            req["box"].append(e)
+        req["ready"].set()
+        if req["cancelled"]:
+            _cancel(req)
+
+
+def _cancel(req):
+    """The caller was interrupted while its run was being started: stop that run."""
+    with _spawn_lock:
+        if req.get("cancel_done") or not req["box"]:
+            return
+        req["cancel_done"] = True
+    run = req["box"][0]
+    if isinstance(run, Run):
+        threading.Thread(target=run.stop, name="ddp-lesson-cancel", daemon=True).start()
 
 
 _spawn_thread = None
 _spawn_lock = threading.Lock()
 
 
-def _popen(*args, **kwargs):
+def _in_spawner(fn):
     global _spawn_thread
     with _spawn_lock:
         if _spawn_thread is None:
             _spawn_thread = threading.Thread(target=_spawner, name="ddp-lesson-spawner", daemon=True)
             _spawn_thread.start()
-        box = []
-        _requests.put((args, kwargs, box))
-        _requests.join()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
+    req = {"fn": fn, "box": [], "ready": threading.Event(), "cancelled": False}
+    _requests.put(req)
+    try:
+        req["ready"].wait()
+    except BaseException:
+        req["cancelled"] = True  # the spawner checks this after it has set ready...
+        if req["ready"].is_set():  # ...and this sees the case where it already had
+            _cancel(req)
+        raise
+    if isinstance(req["box"][0], BaseException):
+        raise req["box"][0]
+    return req["box"][0]
 
 
 def _versions():
@@ -80,20 +115,6 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
-def _check_number(name, value, minimum, allow_none=False, kind=int):
-    if value is None and allow_none:
-        return None
-    try:
-        number = kind(value)
-        if kind is int and str(value).strip() != str(number) and not isinstance(value, int):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise BadInput(f"{name} must be a number, got {value!r}.") from None
-    if number < minimum:
-        raise BadInput(f"{name} must be at least {minimum}, got {number}.")
-    return number
-
-
 def _prepare_run_dir(run_dir, script):
     path = Path(run_dir) if run_dir else new_run_dir(name=Path(script).stem)
     if path.exists() and not path.is_dir():
@@ -101,10 +122,13 @@ def _prepare_run_dir(run_dir, script):
     if path.is_dir() and any(path.iterdir()):
         raise BadInput(f"The run directory {path} is not empty; give a new folder so runs never mix.")
     try:
-        (path / "logs").mkdir(parents=True, exist_ok=True)
-        (path / "metrics").mkdir(exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "logs").mkdir()  # the claim: only one start() can create it
+    except FileExistsError:
+        raise BadInput(f"The run directory {path} is already used by another run; give a new folder.") from None
     except OSError as e:
         raise BadInput(f"Cannot create the run directory {path}: {e.strerror}.") from None
+    (path / "metrics").mkdir(exist_ok=True)
     return path.resolve()
 
 
@@ -117,10 +141,10 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     if not script.is_file():
         raise BadInput(f"The script {script} does not exist." if not script.exists()
                        else f"The script {script} is not a file.")
-    max_restarts = _check_number("--max-restarts", max_restarts, 0)
-    timeout = _check_number("--timeout", timeout, 0.001, allow_none=True, kind=float)
-    nnodes = _check_number("--nnodes", nnodes, 1)
-    node_rank = _check_number("--node-rank", node_rank, 0)
+    max_restarts = checks.number("--max-restarts", max_restarts, 0)
+    timeout = checks.number("--timeout", timeout, 0.001, kind=float, allow_none=True)
+    nnodes = checks.number("--nnodes", nnodes, 1)
+    node_rank = checks.number("--node-rank", node_rank, 0)
     if node_rank >= nnodes:
         raise BadInput(f"--node-rank must be below --nnodes ({nnodes}), got {node_rank}.")
     if nnodes > 1 and not rdzv_endpoint:
@@ -135,16 +159,19 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     else:
         rdzv = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", str(rdzv_id or "ddp-lesson")]
-    cmd = [sys.executable, "-m", "ddp_lesson.guard", "--signal", "TERM",
+    token = secrets.token_hex(8)
+    cmd = [sys.executable, "-m", "ddp_lesson.guard", "--agent", "--parent", str(os.getpid()),
+           "--signal", "TERM",
            "-m", "torch.distributed.run", *rdzv,
            "--nproc-per-node", str(plan.nproc), "--max-restarts", str(max_restarts),
            "--log-dir", str(path / "torchrun"), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
            "--monitor-interval", "0.1",
-           "-m", "ddp_lesson.guard", str(path / "script.py"), *args]
-    child_env = dict(os.environ)
+           "-m", "ddp_lesson.guard", "--rank", str(path / "script.py"), *args]
+    child_env = clean_env(os.environ)
     child_env.update(plan.env)
     child_env.update({
         "DDP_LESSON_RUN_DIR": str(path),
+        "DDP_LESSON_RUN_TOKEN": token,  # with the run dir, what identifies this run's processes
         "DDP_LESSON_SCRIPT_DIR": str(script.resolve().parent),
         "DDP_LESSON_BACKEND": plan.backend,
         "PYTHONUNBUFFERED": "1",
@@ -163,6 +190,7 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
         "nproc": plan.nproc, "devices": plan.gpus or "cpu", "backend": plan.backend,
         "world_size": plan.nproc * nnodes, "nnodes": nnodes, "node_rank": node_rank,
         "rdzv_endpoint": rdzv_endpoint, "max_restarts": max_restarts, "timeout": timeout,
+        "token": token,
         "env": {k: child_env[k] for k in sorted(set(plan.env) | set(env or {}))},
         "versions": _versions(), "host": socket.gethostname(),
         # who supervises the run: `cleanup` spares runs whose launcher is still alive
@@ -181,20 +209,28 @@ class Run:
         self.run_dir = Path(run_dir)
         self.config = config
         self.timeout = timeout
+        self.token = config["token"]
         self.rows = []
         self.result = None
+        self.proc = None
         self._metrics = MetricsTail(run_dir)
         self._done = threading.Event()
-        self._lock = threading.Lock()
         self._stop_requested = False
         self._timed_out = False
         self._t0 = time.monotonic()
+        _in_spawner(lambda: self._spawn(cmd, env))
+
+    def _spawn(self, cmd, env):
+        """In the spawner thread: the agent, its place in _live and its watcher, together."""
         with open(self.run_dir / "logs" / "agent.log", "wb") as agent_log:
-            self.proc = _popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
-                               stderr=subprocess.STDOUT, start_new_session=True,
-                               cwd=os.getcwd())
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=os.getcwd())
+        # held from the start (only our watcher reaps it), so a reused PID is never signalled
+        self._agent = procs.process(self.proc.pid)
         _live.add(self)
         threading.Thread(target=self._watch, name="ddp-lesson-watch", daemon=True).start()
+        return self
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -205,12 +241,22 @@ class Run:
     def status(self):
         return self.result["status"] if self.result else "running"
 
+    @property
+    def elapsed(self):
+        """Seconds since the run started (until it ended, once it has)."""
+        return self.result["duration_s"] if self.result else time.monotonic() - self._t0
+
     def done(self):
         return self._done.is_set()
 
+    def wait_done(self, timeout=None):
+        """Block up to `timeout` seconds (None: until the end); True if the run has ended.
+        Unlike wait(), an interrupt here does not stop the run."""
+        return self._done.wait(timeout)
+
     def pids(self):
         """PIDs of the agent and its descendants alive now."""
-        return [p.pid for p in procs.tree(self.proc.pid)]
+        return [p.pid for p in procs.tree(self._agent)]
 
     # -- reading back -----------------------------------------------------------------
     def metrics(self):
@@ -244,52 +290,76 @@ class Run:
         """End every process of the run; status becomes `interrupted` unless it had ended."""
         if not self._done.is_set():
             self._stop_requested = True
-            procs.end_tree(self.proc.pid, grace=grace, run_dir=self.run_dir)
+            procs.end_tree(self._agent, grace=grace, run_dir=self.run_dir, token=self.token)
             self._done.wait(30)
         return self.result
 
     # -- supervision (watch thread) ---------------------------------------------------
     def _watch(self):
-        remaining = None if self.timeout is None else self.timeout
+        """Whatever happens here (a run directory deleted under us, a full disk), the run
+        ends: every process of it is ended, and it gets a result and a message."""
+        rc, where, error = None, None, None
         try:
-            rc = self.proc.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            self._timed_out = not self._stop_requested
-            procs.end_tree(self.proc.pid, grace=STOP_GRACE_S, run_dir=self.run_dir)
-            rc = self.proc.wait()
-        # Nothing of the run may outlive it, whatever happened to the agent.
-        procs.kill_all(procs.run_processes(self.run_dir))
-        self._finish(rc)
+            try:
+                rc = self.proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self._timed_out = not self._stop_requested
+                if self._timed_out:
+                    where = self._where_ranks_are()
+                procs.end_tree(self._agent, grace=STOP_GRACE_S, run_dir=self.run_dir, token=self.token)
+                rc = self.proc.wait()
+        except BaseException as e:
+            error = e
+        try:
+            # Nothing of the run may outlive it, whatever happened to the agent.
+            procs.end_tree(self._agent, grace=0, run_dir=self.run_dir, token=self.token)
+            if self.proc.poll() is None:
+                rc = self.proc.wait()
+            self._finish(rc, where, error)
+        except BaseException as e:
+            self.result = {"status": "failed", "returncode": rc, "duration_s": self.elapsed,
+                           "message": f"Supervising the run failed ({type(e).__name__}: {e}); "
+                                      f"every process of it was ended."}
+        finally:
+            _live.discard(self)
+            self._done.set()
 
-    def _finish(self, rc):
+    def _where_ranks_are(self):
+        """Ask each rank (the agent's children) for its Python stack, for the timeout message."""
+        try:
+            ranks = self._agent.children()
+        except Exception:
+            return None
+        procs.kill_all(ranks, signal.SIGUSR1)
+        time.sleep(0.5)
+        return stacks.where(self.run_dir, self.config.get("nproc", 0))
+
+    def _finish(self, rc, where=None, error=None):
         duration = round(time.monotonic() - self._t0, 3)
-        if self._timed_out:
+        if error is not None:
+            status = "failed"
+        elif self._timed_out:
             status = "timeout"
         elif self._stop_requested:
             status = "interrupted"
         else:
             status = "ok" if rc == 0 else "failed"
         result = {"status": status, "returncode": rc, "duration_s": duration}
-        if status == "failed":
+        if error is not None:
+            result["message"] = (f"Supervising the run failed ({type(error).__name__}: {error}); "
+                                 f"every process of it was ended.")
+        elif status == "failed":
             result["failure"] = failures.root_cause(self.run_dir)
             result["message"] = failures.describe(result["failure"])
         elif status == "timeout":
-            result["message"] = (f"The run did not finish within its {self.timeout:g} s timeout and "
-                                 f"was stopped; a rank may be waiting in a collective that another "
-                                 f"rank never reached.")
+            result["message"] = stacks.timeout_message(self.timeout, where)
         elif status == "interrupted":
             result["message"] = "The run was stopped; every process of it has ended."
-        write_json(self.run_dir / "result.json", result)
         self.result = result
-        _live.discard(self)
-        self._done.set()
+        write_json(self.run_dir / "result.json", result)
 
     def __repr__(self):
         return f"<Run {self.run_dir.name} {self.status}>"
-
-
-def live_runs():
-    return list(_live)
 
 
 @atexit.register

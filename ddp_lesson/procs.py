@@ -1,5 +1,7 @@
 """Finding and ending the processes of a run: by PID (the tree under torchrun) and by the
-DDP_LESSON_RUN_DIR every rank carries in its environment; never by name."""
+run's identity every process of it carries in its environment (DDP_LESSON_RUN_DIR and the
+per-run DDP_LESSON_RUN_TOKEN, also kept in config.json); never by name."""
+import json
 import os
 import signal
 import time
@@ -7,12 +9,18 @@ import time
 import psutil
 
 ENV_KEY = "DDP_LESSON_RUN_DIR"
+TOKEN_KEY = "DDP_LESSON_RUN_TOKEN"
 
 
 def tree(pid):
-    """The process and all its descendants that are alive now."""
+    """The process and all its descendants that are alive now. `pid` may be a
+    psutil.Process, which cannot be confused with a later process reusing its PID."""
+    if pid is None:
+        return []
     try:
-        root = psutil.Process(pid)
+        root = pid if isinstance(pid, psutil.Process) else psutil.Process(pid)
+        if not root.is_running():
+            return []
         return [root] + root.children(recursive=True)
     except psutil.Error:
         return []
@@ -34,9 +42,9 @@ def is_alive(pid, started):
         return False
 
 
-def run_processes(run_dir=None):
-    """This user's processes carrying DDP_LESSON_RUN_DIR (equal to run_dir if given),
-    except this one and its ancestors."""
+def run_processes(run_dir=None, token=None):
+    """This user's processes carrying DDP_LESSON_RUN_DIR (equal to run_dir if given, and
+    DDP_LESSON_RUN_TOKEN equal to token if given), except this one and its ancestors."""
     mine = {os.getpid()}
     try:
         mine.update(p.pid for p in psutil.Process().parents())
@@ -54,10 +62,12 @@ def run_processes(run_dir=None):
         except psutil.Error:
             continue
         try:
-            value = p.environ().get(ENV_KEY)
+            env = p.environ()
         except psutil.Error:
             continue
-        if value and (want is None or os.path.abspath(value) == want):
+        value = env.get(ENV_KEY)
+        if value and (want is None or os.path.abspath(value) == want) \
+                and (token is None or env.get(TOKEN_KEY) == token):
             found.append(p)
     return found
 
@@ -70,14 +80,29 @@ def alive(p):
 
 
 def by_run():
-    """{run_dir: [processes]} of this user's ddp_lesson runs alive now."""
-    groups = {}
+    """{run_dir: [processes]} of this user's ddp_lesson runs alive now: processes whose
+    DDP_LESSON_RUN_DIR names a run directory whose config.json holds the same token as
+    their DDP_LESSON_RUN_TOKEN. A process that merely carries the variable is not ours."""
+    groups, tokens = {}, {}
     for p in run_processes():
         try:
-            groups.setdefault(p.environ().get(ENV_KEY), []).append(p)
+            env = p.environ()
         except psutil.Error:
-            pass
+            continue
+        run_dir = os.path.abspath(env.get(ENV_KEY))
+        if run_dir not in tokens:
+            tokens[run_dir] = _config_token(run_dir)
+        if tokens[run_dir] and env.get(TOKEN_KEY) == tokens[run_dir]:
+            groups.setdefault(run_dir, []).append(p)
     return groups
+
+
+def _config_token(run_dir):
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return json.load(f).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def kill_all(procs, sig=signal.SIGKILL):
@@ -93,9 +118,10 @@ def wait_gone(procs, timeout):
     return alive
 
 
-def end_tree(pid, grace=5.0, run_dir=None):
+def end_tree(pid, grace=5.0, run_dir=None, token=None):
     """SIGTERM the root (torchrun tears its workers down), wait `grace` seconds, then
-    SIGKILL whatever is left of the tree as it was and of the run's processes."""
+    SIGKILL whatever is left of the tree as it was and of the run's processes. Give the
+    root as a psutil.Process where a reused PID must not be signalled."""
     procs = tree(pid)
     known = {p.pid: p for p in procs}
     if procs:
@@ -105,6 +131,14 @@ def end_tree(pid, grace=5.0, run_dir=None):
             time.sleep(0.05)
             for p in tree(pid):  # workers may start while we wait
                 known.setdefault(p.pid, p)
-    leftovers = list(known.values()) + (run_processes(run_dir) if run_dir else [])
+    leftovers = list(known.values()) + (run_processes(run_dir, token) if run_dir else [])
     kill_all(leftovers)
     return wait_gone(leftovers, timeout=5)
+
+
+def process(pid):
+    """A psutil.Process for `pid` (None if it is gone already)."""
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None

@@ -173,7 +173,10 @@ def test_rank_killed_by_signal_is_the_root_cause_not_its_peers(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     error_file(logs, 0, 10.5, "RuntimeError: Connection closed by peer")  # a consequence
-    (logs / "agent.log").write_text(AGENT_LOG.format(rank=1, code=-9))
+    runs.write_json(logs / "rank0.error.json", dict(runs.read_json(logs / "rank0.error.json"), pid=100))
+    runs.write_json(logs / "agent.failures.json", {"failures": [  # torchrun's structured record
+        {"rank": 0, "pid": 100, "exitcode": 1, "timestamp": 10},
+        {"rank": 1, "pid": 101, "exitcode": -9, "timestamp": 11}]})
     (logs / "rank1.stderr.log").write_text("last words\n")
     f = failures.root_cause(tmp_path)
     assert (f["rank"], f["exitcode"]) == (1, -9)
