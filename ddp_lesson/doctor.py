@@ -88,6 +88,25 @@ def check_host(out):
     return levels
 
 
+def check_store(out):
+    """Where a --standalone run's rendezvous store listens. torch (checked up to 2.14) binds
+    its TCPStore server to every interface whatever host it is given, and torchrun offers no
+    setting to change that, so the launcher cannot keep it on loopback: say so."""
+    import torch.distributed as dist
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    try:
+        port = store.port
+        bound = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+    finally:
+        del store
+    if bound and all(ip in ("127.0.0.1", "::1") for ip in bound):
+        return [_line("ok", "the rendezvous store of a single-node run listens on loopback only", out)]
+    return [_line("warn", f"the rendezvous store of a single-node run listens on all interfaces "
+                          f"({', '.join(bound) or '?'}, a free port per run; torch offers no loopback "
+                          f"setting): on a shared server firewall it off (docs/instructors.md)", out)]
+
+
 def check_allreduce(out, timeout=120):
     gpus = devices.list_gpus()
     kwargs = {"nproc": min(2, len(gpus))} if gpus else {"nproc": 2, "cpu": True}
@@ -105,7 +124,7 @@ def check_allreduce(out, timeout=120):
 def main(out=sys.stdout):
     print(f"ddp_lesson doctor on {socket.gethostname()} ({platform.platform()})", file=out)
     levels = []
-    for check in (check_versions, check_gpus, check_host, check_allreduce):
+    for check in (check_versions, check_gpus, check_host, check_store, check_allreduce):
         try:
             levels += check(out)
         except Exception as e:  # a broken check must not hide the others

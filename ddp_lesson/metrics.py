@@ -7,6 +7,7 @@ Cheap enough for every step (one small write, flushed). Outside the launcher
 (DDP_LESSON_RUN_DIR unset, e.g. plain torchrun) it does nothing.
 """
 import json
+import math
 import os
 import time
 
@@ -33,5 +34,7 @@ def log(step, **values):
     for k, v in values.items():
         if hasattr(v, "item"):
             v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None  # NaN/inf are not JSON: a diverged loss is written as null
         row[k] = v
-    f.write(json.dumps(row) + "\n")  # line-buffered: the newline flushes it
+    f.write(json.dumps(row, allow_nan=False) + "\n")  # line-buffered: the newline flushes it

@@ -2,6 +2,7 @@
 
 Layout (the contract): config.json, script.py, logs/, metrics/rank<R>.jsonl, result.json.
 """
+import codecs
 import json
 import os
 import re
@@ -39,9 +40,12 @@ class _Tail:
     """Remembers how far each file of a folder was read; `_new(name)` returns what was
     appended since (up to the last newline if whole_lines, so a line being written waits)."""
 
+    MAX_READ = 1 << 20  # per file and call: a rank printing in a loop cannot fill our memory
+
     def __init__(self, folder):
         self.folder = Path(folder)
         self.offsets = {}
+        self.decoders = {}
 
     def _names(self):
         try:
@@ -54,13 +58,19 @@ class _Tail:
         try:
             with open(self.folder / name, "rb") as f:
                 f.seek(offset)
-                chunk = f.read()
+                chunk = f.read(self.MAX_READ)
         except OSError:
             return b""
-        if whole_lines:
+        if whole_lines and len(chunk) < self.MAX_READ:  # (a longer "line" is taken as it is)
             chunk = chunk[:chunk.rfind(b"\n") + 1]
         self.offsets[name] = offset + len(chunk)
         return chunk
+
+    def _text(self, name):
+        """New text of `name`; a UTF-8 character split across two reads waits for its end."""
+        if name not in self.decoders:
+            self.decoders[name] = codecs.getincrementaldecoder("utf-8")("replace")
+        return self.decoders[name].decode(self._new(name))
 
 
 class MetricsTail(_Tail):
@@ -162,9 +172,9 @@ class LogTail(_Tail):
             rank = int(m.group(1))
             if self.ranks is not None and rank not in self.ranks:
                 continue
-            data = self._new(name)
+            data = self._text(name)
             if data:
-                out.append((rank, m.group(2), data.decode("utf-8", "replace")))
+                out.append((rank, m.group(2), data))
         return out
 
 
@@ -175,7 +185,11 @@ def tail_text(path, lines=20):
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", "replace")
+            start = f.tell()
+            data = f.read()
+            if start:  # we may have landed inside a character: skip its continuation bytes
+                data = data.lstrip(bytes(range(0x80, 0xC0)))
+            text = data.decode("utf-8", "replace")
     except OSError:
         return ""
     # split on "\n" only: str.splitlines() also splits on "\r" and would keep every frame

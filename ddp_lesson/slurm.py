@@ -7,9 +7,14 @@ agent that starts `gpus_per_node` ranks; the agents meet through a c10d rendezvo
 the first node of the allocation (from `scontrol show hostnames`), with the job id as
 rendezvous id so two jobs never mix.
 """
+import re
 import shlex
 
+from . import BadInput
+
 HEADER_KEYS = ("job_name", "partition", "account", "time", "output")
+SAFE_HEADER = re.compile(r"[A-Za-z0-9_.,:%@+=/-]+")   # one #SBATCH word: no space, no newline
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _q(word):
@@ -23,6 +28,15 @@ def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesso
     """The text of an sbatch script that runs `script` with torchrun on `nodes` nodes,
     `gpus_per_node` ranks each. `env`: extra variables to export (NCCL_SOCKET_IFNAME=...);
     `setup`: shell lines run first on the batch host (module load, conda activate...)."""
+    values = {"job_name": job_name, "partition": partition, "account": account, "time": time,
+              "output": output}
+    for key, value in values.items():
+        if value is not None and not SAFE_HEADER.fullmatch(str(value)):
+            raise BadInput(f"The Slurm {key.replace('_', ' ')} {str(value)!r} may only hold letters, digits "
+                           f"and _.,:%@+=/- (no spaces or new lines).")
+    for key in env or {}:
+        if not ENV_NAME.fullmatch(str(key)):
+            raise BadInput(f"{str(key)!r} is not an environment variable name (letters, digits, _).")
     nodes, gpus_per_node = int(nodes), int(gpus_per_node)
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError("nodes and gpus_per_node must be at least 1")
