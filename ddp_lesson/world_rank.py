@@ -1,0 +1,173 @@
+"""One rank of a live world (ddp_lesson.world): what torchrun runs for each rank.
+
+It joins the process group (gloo on CPU; nccl on GPUs, each rank on its own device),
+connects back to the kernel over an authenticated loopback connection and then runs the
+code the kernel sends, in one namespace that lives as long as the rank, streaming what it
+prints. Messages (pickled tuples):
+    kernel -> rank: ("run", call_id, code) | ("exit",)
+    rank -> kernel: ("hello", rank, pid, world_size, device)
+                    ("out", call_id, "stdout" | "stderr", text)
+                    ("done", call_id, value_repr_or_None, traceback_text_or_None)
+"""
+import ast
+import builtins
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client
+
+KEY_FILE = "world.key"
+KEY_WAIT_S = 60
+
+
+def _read_key(run_dir):
+    # The kernel writes the key (mode 0600) right after starting torchrun; ranks get here
+    # seconds later, after importing torch, so the wait is almost never needed.
+    path = os.path.join(run_dir, KEY_FILE)
+    end = time.monotonic() + KEY_WAIT_S
+    while True:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            if time.monotonic() > end:
+                raise RuntimeError(f"No key file {path}: the kernel did not finish starting this world.")
+            time.sleep(0.02)
+
+
+class Channel:
+    """The connection to the kernel; several threads may print at once."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.call = None  # the id of the cell running now, None between cells
+
+    def send(self, *msg):
+        with self.lock:
+            self.conn.send(msg)
+
+
+class Stream:
+    """sys.stdout / sys.stderr of a rank: during a cell, whole lines go to the kernel as
+    they are printed; between cells (a thread still printing) to the rank's log file."""
+
+    def __init__(self, channel, name, fallback):
+        self.channel, self.name, self.fallback = channel, name, fallback
+        self.buffer = ""
+        self.lock = threading.Lock()
+
+    def write(self, text):
+        if self.channel.call is None:
+            return self.fallback.write(text)
+        with self.lock:
+            self.buffer += text
+            cut = self.buffer.rfind("\n") + 1
+            chunk, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        if chunk:
+            self.channel.send("out", self.channel.call, self.name, chunk)
+        return len(text)
+
+    def flush(self):
+        with self.lock:
+            chunk, self.buffer = self.buffer, ""
+        if chunk and self.channel.call is not None:
+            self.channel.send("out", self.channel.call, self.name, chunk)
+        self.fallback.flush()
+
+    def isatty(self):
+        return False
+
+    @property
+    def encoding(self):
+        return "utf-8"
+
+
+def _learner_traceback(e):
+    """The traceback from the cell's own frames on (this file's frames are plumbing)."""
+    if isinstance(e, SyntaxError):
+        return "".join(traceback.format_exception_only(type(e), e))
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb))
+
+
+def run_cell(code, namespace, filename):
+    """Run `code` like a notebook cell: everything, then the value of a trailing
+    expression. Returns (repr of that value or None, traceback text or None)."""
+    try:
+        tree = ast.parse(code, filename=filename)
+        # register the source so tracebacks can show the cell's lines
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Interrupt reaches the cell
+        try:
+            exec(compile(tree, filename, "exec"), namespace)
+            value = None
+            if last is not None:
+                value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return (None if value is None else repr(value)), None
+    except BaseException as e:  # the rank lives on; the learner sees the traceback
+        return None, _learner_traceback(e)
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a running cell takes an Interrupt
+    # Cells import from the kernel's working folder, as in the notebook (the launcher put
+    # this copy's folder and the package folder on the path instead).
+    pkg = os.environ.get("DDP_LESSON_SCRIPT_DIR")
+    sys.path[:] = [p for p in sys.path if p != pkg]
+    sys.path[0] = os.getcwd()
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = os.environ.get("DDP_LESSON_BACKEND", "gloo")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend)
+
+    host, port = os.environ["DDP_LESSON_WORLD_ADDRESS"].rsplit(":", 1)
+    key = _read_key(os.environ["DDP_LESSON_RUN_DIR"])
+    channel = Channel(Client((host, int(port)), authkey=key))
+    del key
+    channel.send("hello", rank, os.getpid(), world_size, str(device))
+    sys.stdout = Stream(channel, "stdout", sys.__stdout__)
+    sys.stderr = Stream(channel, "stderr", sys.__stderr__)
+
+    namespace = {"__name__": "__main__", "__builtins__": builtins, "torch": torch,
+                 "dist": dist, "rank": rank, "world_size": world_size, "device": device}
+    cells = 0
+    while True:
+        try:
+            msg = channel.conn.recv()
+        except (EOFError, OSError):  # the kernel is gone: so is this world
+            break
+        if msg[0] == "exit":
+            break
+        _, call, code = msg
+        cells += 1
+        channel.call = call
+        value, error = run_cell(code, namespace, f"<rank {rank} cell {cells}>")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        channel.call = None
+        channel.send("done", call, value, error)
+    channel.conn.close()
+
+
+if __name__ == "__main__":
+    main()
