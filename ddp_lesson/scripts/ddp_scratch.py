@@ -128,7 +128,7 @@ class Counter:
 
 
 COUNT = Counter()
-_all_reduce = dist.all_reduce
+_all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)  # the real one, once
 
 
 def counted_all_reduce(tensor, *args, **kwargs):
@@ -137,6 +137,7 @@ def counted_all_reduce(tensor, *args, **kwargs):
     return _all_reduce(tensor, *args, **kwargs)
 
 
+counted_all_reduce.__wrapped__ = _all_reduce
 dist.all_reduce = counted_all_reduce
 
 
