@@ -14,6 +14,7 @@ Checked directly (no torchrun, so these are fast):
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -178,3 +179,159 @@ def test_a_finished_distributed_rank_exits_0_with_atexit_run_and_files_flushed(t
     assert data.read_text() == "all of it"
     assert marker.read_text() == "atexit ran"
     assert "done" in (run_dir / "logs" / "rank1.stdout.log").read_text()
+
+
+# -- issue 10: the guard in each process ----------------------------------------------------
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("role", ["--agent", "--rank"])
+def test_parent_already_gone_means_exit_at_once(tmp_path, write_script, role):
+    """A launcher killed right after start() may be gone before the guard arms prctl: the
+    guard is told its expected parent and exits without running anything."""
+    marker = tmp_path / "ran"
+    script = write_script("t.py", f"open({str(marker)!r}, 'w').write('ran')\n")
+    p = subprocess.run(GUARD + [role, "--parent", str(_dead_pid()), str(script)], env=guard_env(),
+                       capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert p.returncode != 0 and not marker.exists(), p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_expects_the_agent_as_parent(tmp_path, write_script):
+    marker = tmp_path / "ran"
+    script = write_script("t.py", f"open({str(marker)!r}, 'w').write('ran')\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = guard_env(DDP_LESSON_RUN_DIR=run_dir, RANK="0", DDP_LESSON_AGENT_PID=_dead_pid())
+    p = subprocess.run(GUARD + ["--rank", str(script)], env=env, capture_output=True, timeout=30)
+    assert p.returncode != 0 and not marker.exists()
+
+
+@pytest.mark.timeout(60)
+def test_parent_death_signal_is_sent_once(tmp_path, write_script):
+    """torchrun tears down in its SIGTERM handler; a second SIGTERM from the guard would
+    interrupt that teardown half-way (its workers' children then survive)."""
+    log = tmp_path / "signals"
+    child = write_script("child.py", f"""
+        import os, signal, sys, time
+        def on_term(*_):
+            open({str(log)!r}, "a").write("T")
+            time.sleep(2)  # a teardown that takes a while
+            os._exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        print(os.getpid(), flush=True)
+        time.sleep(60)
+    """)
+    parent_src = ("import subprocess, sys, time; p = subprocess.Popen(sys.argv[1:]); "
+                  "print(p.pid, flush=True); time.sleep(120)")
+    out = tmp_path / "parent.out"
+    with open(out, "w") as f:
+        parent = subprocess.Popen([sys.executable, "-c", parent_src, *GUARD, "--signal", "TERM", str(child)],
+                                  stdout=f, env=guard_env(), cwd=tmp_path)
+    try:
+        assert wait_until(lambda: len(out.read_text().split()) >= 2, 30)
+        guarded = int(out.read_text().split()[0])
+        parent.kill()
+        parent.wait()
+        assert wait_until(lambda: not psutil.pid_exists(guarded)
+                          or psutil.Process(guarded).status() == psutil.STATUS_ZOMBIE, 10)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert log.read_text() == "T"
+
+
+DAEMON = """
+import os, sys, time
+# a rank's helper that leaves the tree: double fork into a new session
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open(sys.argv[1], "w").write(str(os.getpid()))
+        time.sleep(120)
+    os._exit(0)
+time.sleep(0.5)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_agent_guard_ends_descendants_that_left_the_tree(tmp_path, write_script):
+    """The agent's guard is a child subreaper and sweeps its subtree when it ends."""
+    pid_file = tmp_path / "daemon.pid"
+    script = write_script("spawns.py", DAEMON)
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    p = subprocess.run(GUARD + ["--agent", "--signal", "TERM", str(script), str(pid_file)],
+                       env=guard_env(DDP_LESSON_RUN_DIR=run_dir, DDP_LESSON_RUN_TOKEN="t1"),
+                       capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    daemon = int(pid_file.read_text())
+    try:
+        assert wait_until(lambda: not psutil.pid_exists(daemon)
+                          or psutil.Process(daemon).status() == psutil.STATUS_ZOMBIE, 5)
+    finally:
+        if psutil.pid_exists(daemon):
+            psutil.Process(daemon).kill()
+
+
+@pytest.mark.timeout(60)
+def test_tracebacks_start_at_the_learners_frames_once(tmp_path, write_script):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    bad = write_script("syntax.py", "x = (1,\nprint('never')\n")
+    assert run_rank(bad, run_dir, rank="0").returncode == 1
+    err = (run_dir / "logs" / "rank0.stderr.log").read_text()
+    assert "SyntaxError" in err and "guard.py" not in err and "runpy" not in err, err
+    raises = write_script("raises.py", "def f():\n    raise KeyError('k')\nf()\n")
+    assert run_rank(raises, run_dir, rank="2").returncode == 1
+    err = (run_dir / "logs" / "rank2.stderr.log").read_text()
+    assert err.count("Traceback") == 1 and err.count("KeyError: 'k'") == 1, err
+    assert "guard.py" not in err and "runpy" not in err
+
+
+@pytest.mark.timeout(90)
+def test_a_distributed_rank_exits_with_its_status_and_prints_no_warnings(tmp_path, write_script):
+    """sys.exit(3) after init_process_group is 3, not -6 from the interpreter's finalization;
+    the guard's own exit path prints no deprecation warnings."""
+    script = write_script("exit3.py", """
+        import sys
+        import torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+        if sys.argv[2] == "3":
+            sys.exit(3)
+        dist.destroy_process_group()
+    """)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    p = run_rank(script, run_dir, str(tmp_path / "s1"), "3", rank="0")
+    assert p.returncode == 3
+    p = run_rank(script, run_dir, str(tmp_path / "s2"), "0", rank="1")
+    assert p.returncode == 0
+    err = (run_dir / "logs" / "rank1.stderr.log").read_text()
+    assert "Warning" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_tells_where_it_is_on_sigusr1(tmp_path, write_script):
+    """What the launcher uses to say where each rank was when a run timed out."""
+    from ddp_lesson import stacks
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "script.py").write_text("import time\nprint('ready', flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+    env = guard_env(DDP_LESSON_RUN_DIR=run_dir, RANK="0")
+    p = subprocess.Popen(GUARD + ["--rank", str(run_dir / "script.py")], env=env, cwd=run_dir)
+    try:
+        assert wait_until(lambda: "ready" in (run_dir / "logs" / "rank0.stdout.log").read_text()
+                          if (run_dir / "logs" / "rank0.stdout.log").exists() else False, 30)
+        p.send_signal(signal.SIGUSR1)
+        where = wait_until(lambda: stacks.where(run_dir, 1), 10)
+    finally:
+        p.kill()
+        p.wait()
+    assert where == {0: {"state": "busy", "call": None, "at": "script.py line 4"}}
