@@ -1,0 +1,127 @@
+"""Root cause from structured records (failures.py), hints, and the timeout wording
+(stacks.py). Unit tests on run directories written here; the same records come from real
+runs in test_launch.py and test_cli.py."""
+import json
+import math
+
+from ddp_lesson import failures, metrics, runs, slurm, stacks
+from ddp_lesson import BadInput
+
+import pytest
+
+
+def setup_logs(tmp_path, errors=(), agent=None):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for e in errors:
+        runs.write_json(logs / f"rank{e['rank']}.error.json",
+                        {"traceback": f"Traceback ...\n{e['message']}\n", "restart": 0, **e})
+    if agent is not None:
+        runs.write_json(logs / "agent.failures.json", agent)
+    return tmp_path
+
+
+def row(rank, pid, code, ts=100):
+    return {"rank": rank, "local_rank": rank, "pid": pid, "exitcode": code, "timestamp": ts,
+            "error_file": "<N/A>", "message": ""}
+
+
+def test_a_stale_error_file_from_an_earlier_restart_does_not_win(tmp_path):
+    run = setup_logs(tmp_path, errors=[{"rank": 1, "pid": 11, "time": 5.0, "message": "ValueError: attempt 0",
+                                        "restart": 0}],
+                     agent={"failures": [row(1, 21, -9), row(0, 20, -15)]})  # attempt 1: new pids
+    f = failures.root_cause(run)
+    assert (f["rank"], f["exitcode"]) == (1, -9) and "memory" in failures.describe(f)
+
+
+def test_a_peer_that_aborted_in_teardown_is_not_the_cause(tmp_path):
+    run = setup_logs(tmp_path, errors=[{"rank": 1, "pid": 11, "time": 5.0, "message": "ValueError: boom"}],
+                     agent={"failures": [row(0, 10, -6, ts=99), row(1, 11, 1, ts=100)]})
+    f = failures.root_cause(run)
+    assert (f["rank"], f["exitcode"], f["message"]) == (1, 1, "ValueError: boom")
+
+
+def test_an_agent_stopped_from_outside_is_said(tmp_path):
+    run = setup_logs(tmp_path, agent={"signal": "SIGTERM", "time": 1.0})
+    f = failures.root_cause(run)
+    assert f is not None and f["rank"] is None and f["exitcode"] == -15
+    assert "SIGTERM from outside" in failures.describe(f)
+
+
+def test_same_error_on_every_rank_is_shown_once(tmp_path):
+    errors = [{"rank": r, "pid": 10 + r, "time": 5.0 + r, "message": "RuntimeError: Found no NVIDIA driver"}
+              for r in range(3)]
+    run = setup_logs(tmp_path, errors=errors, agent={"failures": [row(r, 10 + r, 1) for r in range(3)]})
+    f = failures.root_cause(run)
+    assert f["rank"] == 0 and f["same_error"] == [1, 2]
+    text = failures.describe(f)
+    assert text.count("Found no NVIDIA driver") == 2  # the headline and the traceback's last line
+    assert "(rank 1, 2 raised the same error)" in text and "--cpu" in text
+    assert "Traceback" not in failures.describe(f, traceback=False)
+
+
+@pytest.mark.parametrize("message, words", [
+    ("RuntimeError: Found no NVIDIA driver on your system.", "--cpu"),
+    ("AssertionError: Torch not compiled with CUDA enabled", "--cpu"),
+    ("RuntimeError: Distributed package doesn't have NCCL built in", "gloo"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "smaller batch"),
+    ("RuntimeError: The server socket has failed to listen on any local network address. "
+     "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use", "MASTER_PORT"),
+    ("ValueError: a plain bug", None),
+])
+def test_one_line_hints_for_common_root_causes(message, words):
+    tip = failures.hint({"rank": 0, "exitcode": 1, "message": message, "traceback": ""})
+    assert (tip is None) if words is None else (words in tip and "\n" not in tip)
+
+
+def test_timeout_wording_follows_where_the_ranks_were():
+    collective = stacks.timeout_message(8, {0: {"state": "collective", "call": "all_reduce", "at": "script.py line 13"},
+                                            1: {"state": "busy", "call": None, "at": "script.py line 11"}})
+    assert "all_reduce" in collective and "rank 1 at script.py line 11 never reached" in collective
+    before_init = stacks.timeout_message(8, {0: {"state": "busy", "call": None, "at": "script.py line 3"},
+                                             1: {"state": "busy", "call": None, "at": "script.py line 3"}})
+    assert "collective" not in before_init and "still busy" in before_init
+    joining = stacks.timeout_message(8, {0: {"state": "init", "call": "init_process_group", "at": "script.py line 5"},
+                                         1: {"state": "busy", "call": None, "at": "script.py line 3"}})
+    assert "init_process_group" in joining and "never joined" in joining
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_LESSON_RUN_DIR", str(tmp_path))
+    monkeypatch.setattr(metrics, "_file", None)
+    metrics.log(0, loss=math.nan, best=math.inf, acc=0.5)
+    metrics._file.close()
+    monkeypatch.setattr(metrics, "_file", None)
+    line = (tmp_path / "metrics" / "rank0.jsonl").read_text().strip()
+    row = json.loads(line, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}"))
+    assert row["loss"] is None and row["best"] is None and row["acc"] == 0.5
+
+
+def test_log_tail_keeps_a_utf8_character_split_across_reads(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    data = "loss ↓ é\n".encode()
+    path = logs / "rank0.stdout.log"
+    path.write_bytes(data[:6])  # inside "↓"
+    tail = runs.LogTail(tmp_path)
+    first = "".join(t for _, _, t in tail.read())
+    with open(path, "ab") as f:
+        f.write(data[6:])
+    second = "".join(t for _, _, t in tail.read())
+    assert first + second == "loss ↓ é\n" and "\ufffd" not in first + second
+
+
+def test_log_reads_are_bounded(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.stdout.log").write_bytes(b"x" * (3 * 2 ** 20))  # a rank printing without newlines
+    tail = runs.LogTail(tmp_path)
+    sizes = [sum(len(t) for _, _, t in tail.read()) for _ in range(4)]
+    assert max(sizes) <= 2 ** 20 and sum(sizes) == 3 * 2 ** 20
+
+
+@pytest.mark.parametrize("kwargs", [{"partition": "gpu\n#SBATCH --qos=high"}, {"time": "1:00:00\nrm -rf ~"},
+                                    {"job_name": "a b"}, {"env": {"A=1\nrm -rf ~ #": "x"}}])
+def test_sbatch_refuses_values_that_inject_shell_lines(kwargs):
+    with pytest.raises(BadInput):
+        slurm.sbatch_script("train.py", **kwargs)
