@@ -109,7 +109,7 @@ class WorldStatus:
 
     def refresh(self):
         self.label.value = html.escape(self.world.describe())
-        self.stop_button.disabled = self.world.state == "stopped"
+        self.stop_button.disabled = self.world.state in ("stopping", "stopped")
 
     def stop(self):
         self.stop_button.disabled = True
@@ -224,7 +224,7 @@ class RanksMagics(Magics):
         a = _cell_parser().parse_args(argv)
         ranks = parse_ranks(a.ranks)
         w = _world
-        if w is None or w.state == "stopped":
+        if w is None or w.state in ("stopping", "stopped"):
             raise UsageError("No world is running: start one with %ranks start.")
         try:
             out = RanksOutput(w.pick_ranks(ranks))

@@ -94,10 +94,12 @@ class World:
 
     @property
     def state(self):
-        """"ready", "needs restart" (a call timed out, was interrupted or a rank died) or
-        "stopped"."""
+        """"ready", "needs restart" (a call timed out, was interrupted or a rank died),
+        "stopping" or "stopped"."""
         if self._stopped:
             return "stopped"
+        if self._stopping:
+            return "stopping"
         if self._broken is None and self._run.done():
             self._broken = f"its processes ended ({self._run.status})"
         return "needs restart" if self._broken else "ready"
@@ -231,9 +233,10 @@ class World:
 
     def stop(self):
         """End every process of the world; returns the run's result dict."""
-        if self._stopped:
+        if self._stopped or self._stopping:
+            self._run.wait(timeout=EXIT_GRACE_S + 10)  # another thread is stopping it
             return self._run.result
-        self._stopped = True
+        self._stopping = True
         if not self._run.done():
             if self._broken is None:
                 for r in list(self._conns):
@@ -246,11 +249,12 @@ class World:
                 self._run.stop(grace=1)
         for conn in self._conns.values():
             conn.close()
+        self._stopped = True
         return self._run.result
 
     def _start(self):
         self._conns, self._pids, self._devices = {}, {}, {}
-        self._calls, self._broken, self._stopped = 0, None, False
+        self._calls, self._broken, self._stopped, self._stopping = 0, None, False, False
         self._lock = threading.Lock()
         key = secrets.token_bytes(32)
         listener = Listener(("127.0.0.1", 0), authkey=key)
@@ -317,7 +321,7 @@ class World:
 
     # -- inside -----------------------------------------------------------------------
     def _check_usable(self):
-        if self._stopped:
+        if self._stopped or self._stopping:
             raise RuntimeError("This world was stopped; start a new one (world.restart() or "
                                "%ranks start).")
         if self.state != "ready":
@@ -331,6 +335,8 @@ class World:
             self._rank_gone(rank)
 
     def _rank_gone(self, rank):
+        if self._stopping or self._stopped:
+            raise RuntimeError("The world was stopped while this call ran.")
         self._run.wait(timeout=3)  # torchrun tears the others down; let it say why
         why = (self._run.result or {}).get("message") or "its process ended"
         self._broken = f"rank {rank}'s process ended"
