@@ -135,3 +135,38 @@ def test_cuda_visible_devices_of_the_caller_narrows_the_gpus(tmp_path, monkeypat
 def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert devices.list_gpus() == []
+
+
+# -- one number validator (issue 10/11) -------------------------------------------------------
+
+def test_launch_and_devices_say_the_same_sentence(tmp_path):
+    from ddp_lesson import launch
+    with pytest.raises(BadInput) as a:
+        plan(nproc="abc", available=[])
+    with pytest.raises(BadInput) as b:
+        launch.start(__file__, nproc="abc", run_dir=tmp_path / "r")
+    assert str(a.value) == str(b.value) == "--nproc must be a whole number, got 'abc'."
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("nan")])
+def test_non_finite_timeouts_are_refused(tmp_path, value):
+    from ddp_lesson import launch
+    with pytest.raises(BadInput) as err:
+        launch.start(__file__, nproc=1, timeout=value, run_dir=tmp_path / "r")
+    assert "--timeout must be a finite number" in one_sentence(err)
+
+
+def test_cpu_ranks_far_beyond_the_machine_are_refused_unless_asked_on_purpose(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_count", lambda: 2)
+    monkeypatch.delenv("DDP_LESSON_MAX_CPU_RANKS", raising=False)
+    assert plan(nproc=8, available=[]).nproc == 8
+    with pytest.raises(BadInput) as err:
+        plan(nproc=100000, available=[])
+    assert "DDP_LESSON_MAX_CPU_RANKS=100000" in one_sentence(err)
+    monkeypatch.setenv("DDP_LESSON_MAX_CPU_RANKS", "100000")
+    assert plan(nproc=100000, available=[]).nproc == 100000
+
+
+def test_one_description_of_a_plan():
+    assert devices.describe(2, "cpu", "gloo") == plan(nproc=2, available=[]).describe()
