@@ -33,7 +33,7 @@ KEY_FILE = "world.key"          # the same name as in world_rank.py
 START_TIMEOUT_S = 180           # import torch + init_process_group on a busy laptop
 DEFAULT_TIMEOUT_S = 120         # a call's limit unless start() or run() says otherwise
 INTERRUPT_GRACE_S = 3           # after an Interrupt, how long busy ranks get to give up
-EXIT_GRACE_S = 5                # ranks told to leave get this long before being killed
+EXIT_GRACE_S = 10              # ranks told to leave: torchrun may take seconds to notice
 
 
 @dataclass
