@@ -127,18 +127,18 @@ class Counter:
         self.process_group, self.calls, self.in_backward = process_group, 0, 0
 
 
-COUNT = Counter()
-_all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)  # the real one, once
+def counting(all_reduce, count):
+    def counted_all_reduce(tensor, *args, **kwargs):
+        count.calls += 1
+        count.in_backward += torch._C._current_graph_task_id() != -1   # launched during backward?
+        return all_reduce(tensor, *args, **kwargs)
+    counted_all_reduce.count = count
+    return counted_all_reduce
 
 
-def counted_all_reduce(tensor, *args, **kwargs):
-    COUNT.calls += 1
-    COUNT.in_backward += torch._C._current_graph_task_id() != -1   # launched during backward?
-    return _all_reduce(tensor, *args, **kwargs)
-
-
-counted_all_reduce.__wrapped__ = _all_reduce
-dist.all_reduce = counted_all_reduce
+if not hasattr(dist.all_reduce, "count"):    # wrap once, even if this file is loaded twice
+    dist.all_reduce = counting(dist.all_reduce, Counter())
+COUNT = dist.all_reduce.count
 
 
 def counting_hook(state, bucket):
