@@ -48,6 +48,9 @@ BAD = {
     "run-dir-is-a-file": ("file", "is a file"),
     "negative-timeout": (["--timeout", "-5"], "--timeout"),
     "negative-max-restarts": (["--max-restarts", "-1"], "--max-restarts"),
+    "nan-timeout": (["--timeout", "nan"], "finite"),
+    "inf-timeout": (["--timeout", "inf"], "finite"),
+    "nproc-far-beyond-the-machine": (["--nproc", "100000"], "DDP_LESSON_MAX_CPU_RANKS"),
 }
 
 
@@ -143,6 +146,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path, tmp_run_dir, args):
     assert "Rank 1 failed first" in out.stderr
     assert "ValueError: boom from rank 1" in out.stderr and "in explode" in out.stderr
     assert "Rank 0 failed first" not in out.stderr
+    assert out.stderr.count("in explode") == 1, out.stderr  # the traceback once, not again in the summary
     assert "rank 0 should not get here" not in out.stdout
 
 
@@ -200,6 +204,7 @@ def test_cleanup_ends_leftover_runs_and_nothing_else(tmp_path, tmp_run_dir):
     assert all(str(tmp_run_dir) in line for line in ended)
     assert report["alive_after"] == [] and report["gone_after_s"] < 10
     assert report["bystander_alive"]
+    assert report["impostor_alive"]  # DDP_LESSON_RUN_DIR without the run's token is not ours
     assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"
 
 

@@ -4,7 +4,7 @@ JSON line with what happened. Because the namespace only holds what this script 
 `cleanup` cannot reach anybody else's runs on a shared machine.
 
 The leftover run is a torchrun started in a new session with DDP_LESSON_RUN_DIR set,
-whose starting shell exits at once: a run whose launcher died without the guard ending
+whose starting shell exits at once (with the run's token in its environment and config.json): a run whose launcher died without the guard ending
 it (an older version, a non-Linux machine, a `kill -9` of a guard-less launcher)."""
 import json
 import os
@@ -17,20 +17,24 @@ import psutil
 run_dir, sleeper, out_file = sys.argv[1:4]
 os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
 with open(os.path.join(run_dir, "config.json"), "w") as f:
-    json.dump({"script": sleeper, "nproc": 2}, f)
+    json.dump({"script": sleeper, "nproc": 2, "token": "tok"}, f)
 
-env = dict(os.environ, DDP_LESSON_RUN_DIR=run_dir)
+env = dict(os.environ, DDP_LESSON_RUN_DIR=run_dir, DDP_LESSON_RUN_TOKEN="tok")
 subprocess.run(["sh", "-c", 'setsid "$@" >"$OUT" 2>&1 </dev/null &', "sh", sys.executable, "-m",
                 "torch.distributed.run", "--standalone", "--nproc-per-node", "2", sleeper],
                env=dict(env, OUT=out_file), check=True)
 bystander = subprocess.Popen(["sleep", "300"])  # no DDP_LESSON_RUN_DIR: must survive
+# carries the run directory but not the run's token: not a process of ours, must survive
+impostor = subprocess.Popen(["sleep", "300"], env=dict(os.environ, DDP_LESSON_RUN_DIR=run_dir))
 
 
 def run_procs():
     found = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get("DDP_LESSON_RUN_DIR") == run_dir and p.status() != psutil.STATUS_ZOMBIE:
+            env = p.environ()
+            if env.get("DDP_LESSON_RUN_DIR") == run_dir and env.get("DDP_LESSON_RUN_TOKEN") == "tok" \
+                    and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p.pid)
         except psutil.Error:
             pass
@@ -60,6 +64,8 @@ while run_procs() and time.monotonic() - t0 < 10:
 report["alive_after"] = run_procs()
 report["gone_after_s"] = round(time.monotonic() - t0, 2)
 report["bystander_alive"] = bystander.poll() is None
-bystander.kill()
-bystander.wait()
+report["impostor_alive"] = impostor.poll() is None
+for p in (bystander, impostor):
+    p.kill()
+    p.wait()
 print(json.dumps(report), flush=True)
