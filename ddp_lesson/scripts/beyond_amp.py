@@ -1,0 +1,102 @@
+"""Lesson 10: mixed precision with DDP, gradient accumulation and clipping, in the right order.
+
+    torchrun --standalone --nproc-per-node 2 beyond_amp.py --precision auto --steps 12
+auto: bf16 on CPU ranks; fp16 with a GradScaler on GPUs. Per optimizer step:
+  micro-batches under no_sync() but the last (the last backward all-reduces),
+  scaler.unscale_ (so clipping sees true gradients), clip_grad_norm_, scaler.step, update.
+Every rank all-gathers a fingerprint of its clipped gradient: equal on all ranks, because
+clipping runs after the all-reduce on the same averaged gradient. Writes amp.json.
+"""
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_lesson import data, metrics, models
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps")
+    p.add_argument("--accum-steps", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--batch-size", type=int, default=16, help="per micro-batch, per process")
+    p.add_argument("--max-norm", type=float, default=0.5, help="clip the gradient norm to this")
+    p.add_argument("--lr", type=float, default=0.05)
+    return p.parse_args()
+
+
+def fingerprint(model):
+    """Two numbers that change when any gradient entry changes: its norm and a weighted sum."""
+    g = torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+    weights = torch.arange(1, g.numel() + 1, dtype=torch.float64, device=g.device)
+    return torch.stack([g.norm(), (g * weights).sum()])
+
+
+def main():
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+    precision = args.precision
+    if precision == "auto":
+        precision = "fp16" if use_cuda else "bf16"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    # fp16 has a narrow range: small gradients underflow to 0 unless the loss is scaled up first.
+    # bf16 has fp32's range, so it needs no scaler.
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    torch.manual_seed(0)
+    model = DDP(models.SmallCNN(norm=False).to(device), device_ids=[local_rank] if use_cuda else None)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    k, b = args.accum_steps, args.batch_size
+    x_all, y_all = data.shapes(args.steps * k * b * world, seed=7).tensors
+    per_rank = args.steps * k * b
+    x_all, y_all = x_all[rank * per_rank:(rank + 1) * per_rank], y_all[rank * per_rank:(rank + 1) * per_rank]
+
+    out = {"world_size": world, "precision": precision, "scaler": scaler.is_enabled(),
+           "max_norm": args.max_norm, "steps": []}
+    for step in range(args.steps):
+        for j in range(k):
+            i = (step * k + j) * b
+            x, y = x_all[i:i + b].to(device), y_all[i:i + b].to(device)
+            last = j == k - 1
+            with model.no_sync() if not last else contextlib.nullcontext():  # all-reduce on the last only
+                with torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32"):
+                    logits = model(x)                      # matmuls/convs in low precision
+                    loss = F.cross_entropy(logits, y) / k  # cross_entropy autocasts to fp32
+                scaler.scale(loss).backward()              # grads land in fp32 .grad (fp32 weights)
+        scaler.unscale_(opt)                               # 1. true gradients (no-op without fp16)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)  # 2. then clip
+        prints = fingerprint(model)
+        gathered = [torch.zeros_like(prints) for _ in range(world)]
+        dist.all_gather(gathered, prints)                  # every rank's clipped gradient
+        scaler.step(opt)                                   # skips the step if grads hold inf/nan
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        same = all(torch.equal(g, gathered[0]) for g in gathered)
+        metrics.log(step, loss=loss.item() * k, grad_norm=norm.item())
+        out["steps"].append({"loss": loss.item() * k, "norm_before_clip": norm.item(),
+                             "norm_after_clip": prints[0].item(), "same_on_all_ranks": same,
+                             "scale": scaler.get_scale() if scaler.is_enabled() else 1.0})
+    out["activation_dtype"] = str(logits.dtype)
+    out["loss_dtype"] = str(loss.dtype)
+    out["param_dtype"] = str(next(model.parameters()).dtype)
+    if rank == 0:
+        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "amp.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Lesson 10: torch.compile with DDP.
+
+    torchrun --standalone --nproc-per-node 2 beyond_compile.py --steps 8
+1. Graph split: a backend that only counts the graphs it is given shows that Dynamo's
+   DDPOptimizer cuts the model's forward graph at DDP's bucket boundaries (one graph per
+   bucket), so each bucket's all-reduce can start while backward still runs; with
+   torch._dynamo.config.optimize_ddp = False it is one graph.
+2. Training: the compiled model trains like the eager one from the same start, within a
+   stated tolerance. --backend auto: inductor on GPUs; aot_eager on CPU ranks (it captures
+   the same graphs and splits them the same way, but generates no C++, which took minutes on
+   2 busy cores). --backend inductor on CPU needs a C++ compiler and says so without one.
+Writes compile.json.
+"""
+import argparse
+import copy
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_lesson import data
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=16, help="per process")
+    p.add_argument("--hidden", type=int, default=512, help="4 layers of ~1 MB at 512")
+    p.add_argument("--backend", choices=["auto", "inductor", "aot_eager", "eager"], default="auto")
+    p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="DDP's bucket size (>= 1: "
+                   "the DDPOptimizer wants the first bucket, 1 MB, to be no larger than the rest)")
+    return p.parse_args()
+
+
+def mlp(hidden):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+class Buckets:
+    """Comm hook state: how many buckets DDP all-reduced."""
+    def __init__(self):
+        self.calls = 0
+
+
+def count_buckets(state, bucket):
+    state.calls += 1
+    return allreduce_hook(None, bucket)
+
+
+def graphs_of(model_fn, optimize_ddp, x, y):
+    """Compile with a backend that records each graph it receives and runs it as it is."""
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+        return gm.forward
+
+    model, buckets = model_fn(counting_backend)
+    for _ in range(2):                     # DDP rebuilds its buckets after the first step
+        buckets.calls = 0
+        F.cross_entropy(model(x), y).backward()
+    return graphs, buckets.calls
+
+
+def compiler():
+    """The C++ compiler inductor would call on CPU, or None."""
+    names = [os.environ.get("CXX"), "g++", "clang++", "c++"]
+    return next((shutil.which(n) for n in names if n and shutil.which(n)), None)
+
+
+def main():
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    ids = [local_rank] if use_cuda else None
+    b = args.batch_size
+    x_all, y_all = data.shapes(args.steps * b * world, seed=13).tensors
+    x0, y0 = x_all[:b].to(device), y_all[:b].to(device)
+    base = mlp(args.hidden).to(device)
+
+    def ddp_of_compiled(backend):           # DDP(torch.compile(model)): the form that splits here
+        model = DDP(torch.compile(copy.deepcopy(base), backend=backend), device_ids=ids,
+                    bucket_cap_mb=args.bucket_cap_mb)
+        state = Buckets()
+        model.register_comm_hook(state, count_buckets)
+        return model, state
+
+    def compiled_ddp(backend):              # torch.compile(DDP(model)): the form the docs show
+        model = DDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
+        state = Buckets()
+        model.register_comm_hook(state, count_buckets)
+        return torch.compile(model, backend=backend), state
+
+    out = {"world_size": world, "bucket_cap_mb": args.bucket_cap_mb,
+           "param_mb": sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20}
+    split, buckets = graphs_of(ddp_of_compiled, True, x0, y0)
+    whole, _ = graphs_of(ddp_of_compiled, False, x0, y0)
+    outer, _ = graphs_of(compiled_ddp, True, x0, y0)
+    out["split"] = {"graphs": len(split), "ops_per_graph": split, "ddp_buckets": buckets}
+    out["no_split"] = {"graphs": len(whole), "ops_per_graph": whole}
+    out["compile_of_ddp"] = {"graphs": len(outer), "ops_per_graph": outer}
+
+    cxx = compiler()
+    backend = args.backend if args.backend != "auto" else ("inductor" if use_cuda else "aot_eager")
+    if backend == "inductor" and not use_cuda and cxx is None:
+        raise SystemExit("inductor on CPU needs a C++ compiler (g++ or clang++); none was found: "
+                         "use --backend aot_eager")
+    out["backend"], out["cxx"] = backend, cxx
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = True
+    losses, weights, times = {}, {}, {}
+    for name in ("eager", "compiled"):
+        net = copy.deepcopy(base)
+        if name == "compiled":
+            net = torch.compile(net, backend=backend)
+        model = DDP(net, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses[name], times[name] = [], []
+        for step in range(args.steps):
+            i = (step * world + rank) * b
+            x, y = x_all[i:i + b].to(device), y_all[i:i + b].to(device)
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times[name].append(time.perf_counter() - t0)
+            losses[name].append(loss.item())
+        weights[name] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    out["losses"] = losses
+    out["first_step_s"] = {k: v[0] for k, v in times.items()}        # compiled: includes compiling
+    out["later_step_ms"] = {k: 1000 * min(v[1:]) for k, v in times.items()}
+    out["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"]))
+    out["max_weight_diff"] = (weights["eager"] - weights["compiled"]).abs().max().item()
+    if rank == 0:
+        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compile.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

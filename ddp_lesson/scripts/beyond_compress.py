@@ -1,0 +1,102 @@
+"""Lesson 10: compress DDP's gradient all-reduce with a communication hook.
+
+    torchrun --standalone --nproc-per-node 2 beyond_compress.py --steps 40
+Trains the same model from the same start on the same data three times: DDP's default
+(fp32 all-reduce), fp16_compress_hook and bf16_compress_hook. A wrapper around each hook
+counts the bytes that really go into dist.all_reduce. Writes compress.json.
+"""
+import argparse
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_lesson import data, metrics, models
+
+HOOKS = {"fp32": default_hooks.allreduce_hook,          # what DDP does without a hook
+         "fp16": default_hooks.fp16_compress_hook,      # cast to fp16, all-reduce, cast back
+         "bf16": default_hooks.bf16_compress_hook}
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=32, help="per process")
+    p.add_argument("--lr", type=float, default=0.05)
+    return p.parse_args()
+
+
+class Counted:
+    """Hook state: the real hook plus what it sent. The built-in hooks take the process
+    group as their state; None means the default group."""
+    def __init__(self, hook):
+        self.hook, self.calls, self.bytes = hook, 0, 0
+
+
+def counting_hook(state, bucket):
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):  # count the tensor the hook hands to the network
+        state.calls += 1
+        state.bytes += tensor.numel() * tensor.element_size()
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        return state.hook(None, bucket)
+    finally:
+        dist.all_reduce = real_all_reduce
+
+
+def main():
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+    b = args.batch_size
+    x_all, y_all = data.shapes(args.steps * b * world, seed=11).tensors
+    torch.manual_seed(0)
+    base = models.SmallCNN(norm=False)
+    out = {"world_size": world, "steps": args.steps,
+           "gradient_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "runs": {}}
+    weights = {}
+    for name, hook in HOOKS.items():
+        model = DDP(copy.deepcopy(base).to(device), device_ids=[local_rank] if use_cuda else None)
+        state = Counted(hook)
+        model.register_comm_hook(state, counting_hook)   # DDP calls it once per gradient bucket
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        losses = []
+        for step in range(args.steps):
+            i = (step * world + rank) * b                  # this rank's slice of the global batch
+            x, y = x_all[i:i + b].to(device), y_all[i:i + b].to(device)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)                        # for the log only: the global mean loss
+            losses.append(logged.item() / world)
+            metrics.log(step, **{f"loss_{name}": losses[-1]})
+        weights[name] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+        out["runs"][name] = {"losses": losses, "allreduce_calls": state.calls, "bytes": state.bytes,
+                             "bytes_per_step": state.bytes / args.steps}
+    for name in HOOKS:
+        out["runs"][name]["max_weight_diff_vs_fp32"] = (weights[name] - weights["fp32"]).abs().max().item()
+    if rank == 0:
+        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compress.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
