@@ -1,6 +1,5 @@
-"""The key claims of notebooks 00-02, checked without a kernel, and the notebooks' form:
-stored without outputs, scripts they write identical to ddp_lesson/scripts/, an exercise
-with a checker and a solution in each."""
+"""The key claims of notebooks 00-02, checked without a kernel, and an exercise with a
+checker and a solution in each."""
 import json
 import math
 import warnings
@@ -27,31 +26,7 @@ def source(cell):
     return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
 
 
-# -- form ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_stored_without_outputs(name):
-    for cell in cells(name):
-        if cell["cell_type"] == "code":
-            assert cell["outputs"] == [] and cell["execution_count"] is None, source(cell)[:80]
-
-
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_written_scripts_match_the_reference_copies(name):
-    written = 0
-    for cell in cells(name):
-        text = source(cell)
-        if text.startswith("%%writefile"):
-            first, body = text.split("\n", 1)
-            target = Path(first.split()[1])
-            assert target.parent == Path("work"), first
-            reference = ROOT / "ddp_lesson" / "scripts" / target.name
-            assert body.rstrip("\n") == reference.read_text().rstrip("\n"), \
-                f"{name}: {target} differs from {reference.relative_to(ROOT)}"
-            written += 1
-    if name != "01_data_parallel.ipynb":
-        assert written >= 1
-
+# -- form (outputs, ids and %%writefile cells: tests/test_notebooks_check.py) ---------------
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_exercise_with_checker_and_solution(name):

@@ -1,9 +1,9 @@
 """The checks of notebooks 03-05, as tests: the same check scripts, launched through
 ddp_lesson.launch on 2 gloo CPU ranks; they write verdicts as JSON into their run directory.
 All launches start together (module fixture) so the suite pays torchrun's start-up once."""
+import difflib
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,10 +106,31 @@ def test_accum_script_steps_once_per_window_including_partial(launched):
     assert len(rec.series("loss", rank=0)) == 3
 
 
-def test_sync_bn_flag_is_store_true():
-    src = (SCRIPTS / "ddp_syncbn.py").read_text()
-    assert '"--sync-bn", action="store_true"' in src
-    assert not re.search(r"type=bool\s*[,)]", src)   # the seed's bug: bool("False") is True
+def test_sync_bn_flag_takes_no_value():
+    # the seed's bug was type=bool, where `--sync-bn False` means True
+    out = subprocess.run([sys.executable, str(SCRIPTS / "ddp_syncbn.py"), "--sync-bn", "False"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unrecognized arguments: False" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("old,new,max_changed", [("ddp_basic.py", "ddp_syncbn.py", 12),
+                                                 ("ddp_syncbn.py", "ddp_accum.py", 30)])
+def test_each_lesson_script_is_a_small_diff(old, new, max_changed):
+    a, b = (SCRIPTS / old).read_text().splitlines(), (SCRIPTS / new).read_text().splitlines()
+    changed = [l for l in difflib.unified_diff(a, b, lineterm="", n=0)
+               if l[:1] in "+-" and not l.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= max_changed, "\n".join(changed)
+
+
+@pytest.mark.parametrize("name", ["ddp_basic.py", "ddp_syncbn.py", "ddp_accum.py"])
+def test_lesson_scripts_show_every_ddp_line(name):
+    # the one deliberate source test: the lesson is these lines, written out in the script
+    src = (SCRIPTS / name).read_text()
+    for needle in ("init_process_group", '"nccl" if use_cuda else "gloo"', 'os.environ["RANK"]',
+                   'os.environ["LOCAL_RANK"]', 'os.environ["WORLD_SIZE"]', "MASTER_ADDR", "MASTER_PORT",
+                   "set_device", "DistributedSampler", "set_epoch", "DDP(", "model.module.state_dict()",
+                   "barrier()", "map_location", "destroy_process_group", "metrics.log(", "if rank == 0"):
+        assert needle in src, f"{name} lacks {needle}"
 
 
 def test_launch_variants():

@@ -1,0 +1,76 @@
+"""Small helpers the notebooks share, so no notebook pastes its own copy.
+
+    from ddp_lesson.lesson import SCRIPTS, check, verdict, show_diff, show, work_dir
+
+    work_dir()                                  # ./work: where the scripts you edit live
+    run = check("ddp_equivalence")              # a check script on CPU ranks, returns at once
+    result = verdict(run, "equivalence.json")   # waits, then reads the JSON it wrote
+    show_diff("ddp_basic.py", "work/ddp_syncbn.py")
+    show(fig)                                   # display a figure once and close it
+    ring = load_script("work/ring_allreduce.py")  # a module you edit, loaded afresh
+"""
+import difflib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from . import launch
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"   # reference scripts and check scripts
+
+
+def work_dir(path="work"):
+    """The folder the notebooks' %%writefile cells write into; created if missing."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check(name, *args, nproc=None, timeout=600):
+    """Start the check script scripts/<name>.py on CPU ranks (gloo); returns the launch.Run
+    at once. nproc=None: the default CPU rank count (DDP_LESSON_NPROC, else 2)."""
+    return launch.start(SCRIPTS / f"{name}.py", nproc=nproc, cpu=True, args=args, timeout=timeout)
+
+
+def verdict(run, filename):
+    """Wait for a check run and return the JSON it wrote into its run directory. A run that
+    did not end ok raises AssertionError with the run's own message."""
+    result = run.wait()
+    if result["status"] != "ok":
+        raise AssertionError(f"{run.config['label']} ended {result['status']}: {result.get('message')}")
+    return json.loads((Path(run.run_dir) / filename).read_text())
+
+
+def script_diff(old, new, context=1):
+    """Unified diff lines from the reference script `old` (a name in SCRIPTS) to the file `new`."""
+    a = (SCRIPTS / old).read_text().splitlines()
+    b = Path(new).read_text().splitlines()
+    return list(difflib.unified_diff(a, b, old, str(new), lineterm="", n=context))
+
+
+def show_diff(old, new, context=1):
+    """The lesson is the diff: print what changed from the previous lesson's script."""
+    print("\n".join(script_diff(old, new, context)))
+
+
+def show(fig):
+    """Display a figure as a PNG once and close it (pyplot or not), so nothing is shown twice."""
+    from IPython.display import Image, display
+
+    from . import plots
+
+    display(Image(data=plots.to_png(fig)))
+    pyplot = sys.modules.get("matplotlib.pyplot")   # a figure from pyplot is also in its list
+    if pyplot is not None:
+        pyplot.close(fig)
+
+
+def load_script(path):
+    """Import the Python file `path` as a module, afresh on every call (so edits to a
+    work/ file count), without touching sys.path."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

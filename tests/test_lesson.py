@@ -1,0 +1,44 @@
+"""The notebooks' shared helpers (ddp_lesson.lesson)."""
+
+import pytest
+
+from ddp_lesson import lesson
+
+VERDICT = """
+import json, os
+from pathlib import Path
+if os.environ["RANK"] == "0":
+    Path(os.environ["DDP_LESSON_RUN_DIR"], "v.json").write_text(json.dumps({"world": int(os.environ["WORLD_SIZE"])}))
+if os.environ.get("FAIL"):
+    raise SystemExit("the check failed on purpose")
+"""
+
+
+def test_script_diff_shows_what_changed_from_the_reference(tmp_path):
+    new = tmp_path / "ddp_syncbn.py"
+    new.write_text((lesson.SCRIPTS / "ddp_basic.py").read_text().replace("import torch\n", "import torch  # edited\n", 1))
+    diff = lesson.script_diff("ddp_basic.py", new)
+    assert "-import torch" in diff and "+import torch  # edited" in diff
+    assert [l for l in diff if l[:1] in "+-" and l[:3] not in ("+++", "---")] == ["-import torch", "+import torch  # edited"]
+
+
+def test_load_script_reads_edits_without_sys_path(tmp_path, monkeypatch):
+    import sys
+    before = list(sys.path)
+    path = lesson.work_dir(tmp_path / "work") / "ring.py"
+    path.write_text("N = 1\n")
+    assert lesson.load_script(path).N == 1
+    path.write_text("N = 2\n")
+    assert lesson.load_script(path).N == 2
+    assert sys.path == before
+
+
+def test_verdict_reads_the_json_or_says_why_the_check_failed(tmp_path, monkeypatch):
+    script = tmp_path / "vcheck.py"
+    script.write_text(VERDICT)
+    monkeypatch.setattr(lesson, "SCRIPTS", tmp_path)
+    run = lesson.check("vcheck")
+    assert lesson.verdict(run, "v.json") == {"world": run.config["world_size"]}
+    monkeypatch.setenv("FAIL", "1")
+    with pytest.raises(AssertionError, match="vcheck ended failed"):
+        lesson.verdict(lesson.check("vcheck"), "v.json")
