@@ -86,6 +86,10 @@ def contract_run(tmp_path_factory):
     held = hold_port(29500)  # none held: something else has it already, just as good
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MASTER_PORT", "29500")
+        # a kernel started under torchrun or Slurm: none of it may reach the run (issue 10)
+        for k, v in {"RANK": "5", "LOCAL_RANK": "3", "WORLD_SIZE": "7", "MASTER_ADDR": "203.0.113.1",
+                     "TORCHELASTIC_RUN_ID": "other", "TORCHELASTIC_RESTART_COUNT": "4"}.items():
+            mp.setenv(k, v)
         run = launch.start(SCRIPTS / "contract.py", nproc=2, run_dir=base / "run",
                            args=["--gate", gate, "--steps", "3"])
         try:
@@ -320,3 +324,62 @@ def test_checkpoints_are_atomic_and_loaded_weights_only():
     save = src.index("torch.save(state, args.checkpoint + \".tmp\")")
     assert src.index("os.replace(args.checkpoint + \".tmp\", args.checkpoint)") > save
     assert src.count("torch.save(") == 1
+
+
+# -- issue 10: supervision, identity, run directories -----------------------------------------
+
+@pytest.mark.timeout(90)
+def test_a_vanished_run_directory_still_ends_the_run_with_a_result(tmp_path, write_script):
+    """A learner clearing runs/ while a run goes must not leave wait() hanging forever."""
+    import shutil
+    script = write_script("tiny.py", "import time\nprint('ready', flush=True)\ntime.sleep(1)\n")
+    run = launch.start(script, nproc=1, cpu=True, run_dir=tmp_path / "run")
+    try:
+        assert run.wait_done(0.01) is False and run.elapsed >= 0
+        shutil.rmtree(tmp_path / "run")
+        result = run.wait(timeout=60)
+    finally:
+        run.stop()
+    assert result is not None and run.wait_done(0) is True
+    assert result["status"] in ("ok", "failed") and result.get("message", "") or result["status"] == "ok"
+    assert run.stop() is result
+
+
+@pytest.mark.timeout(90)
+def test_two_starts_cannot_share_one_run_directory(tmp_path, write_script):
+    script = write_script("tiny.py", "print('hi')\n")
+    barrier = threading.Barrier(2)
+    outcomes = []
+
+    def go():
+        barrier.wait()
+        try:
+            outcomes.append(launch.start(script, nproc=1, cpu=True, run_dir=tmp_path / "shared"))
+        except launch.BadInput as e:
+            outcomes.append(e)
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    started = [o for o in outcomes if isinstance(o, launch.Run)]
+    for run in started:
+        run.wait(timeout=60)
+        run.stop()
+    assert len(started) == 1, outcomes
+
+
+@pytest.mark.timeout(30)
+def test_end_tree_never_signals_a_reused_pid():
+    """stop() after the agent was reaped: the PID may belong to someone else by now."""
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        stale = psutil.Process(bystander.pid)
+        stale._create_time = stale.create_time() - 100  # as if an earlier process had had this PID
+        stale._ident = (stale.pid, stale._create_time)  # (psutil's identity check reads both)
+        procs.end_tree(stale, grace=0.2)
+        time.sleep(0.2)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
