@@ -1,0 +1,102 @@
+"""Check (lesson 03): three things DDP does that a learner cannot see, measured.
+
+1. The all-reduce overlaps backward: a comm hook stamps when each gradient bucket's
+   all-reduce is launched, a tensor hook stamps when the FIRST layer's gradient (the last
+   one backward computes) is ready. With small buckets the first all-reduce starts before
+   backward is done; with one bucket for the whole model it cannot.
+2. Buffers are broadcast: BatchNorm's running statistics drift apart on ranks that see
+   different data; with broadcast_buffers=True (the default) every forward starts from
+   rank 0's buffers, with False each rank keeps its own.
+3. map_location: a checkpoint rank 0 saved records rank 0's device; loading it with
+   map_location=<this rank's device> puts every tensor on this rank's own device.
+Writes ddp_checks.json (one entry per rank) into the run directory.
+"""
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def overlap(device, ids, bucket_cap_mb):
+    torch.manual_seed(0)
+    layers = [nn.Linear(512, 512) for _ in range(8)]  # 1 MiB of weights each
+    model = DDP(nn.Sequential(*layers).to(device), device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+    stamps = {"launch": [], "first_layer_grad": None}
+
+    def hook(state, bucket):  # called when a bucket of gradients is ready
+        stamps["launch"].append(time.perf_counter())
+        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0] / dist.get_world_size())
+
+    model.register_comm_hook(None, hook)
+    layers[0].weight.register_hook(
+        lambda g: stamps.__setitem__("first_layer_grad", time.perf_counter()))
+    x = torch.randn(64, 512, device=device)
+    for _ in range(3):  # the first step builds the buckets; time the last one
+        stamps["launch"].clear()
+        model.zero_grad()
+        model(x).square().mean().backward()
+    lead_ms = 1000 * (stamps["first_layer_grad"] - stamps["launch"][0])
+    return {"buckets": len(stamps["launch"]), "first_all_reduce_before_backward_done_ms": lead_ms}
+
+
+def buffers_broadcast(device, ids, rank, world, broadcast):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4).to(device)
+    seen = []
+    bn.register_forward_pre_hook(lambda m, inp: seen.append(m.running_mean.clone()))
+    model = DDP(nn.Sequential(bn), device_ids=ids, broadcast_buffers=broadcast)
+    for step in range(3):  # each rank's data has a different mean: rank + step
+        x = torch.randn(16, 4, device=device) + rank + step
+        model(x).sum().backward()
+    start = seen[-1]  # the running mean this rank's last forward started from
+    gathered = [torch.zeros_like(start) for _ in range(world)]
+    dist.all_gather(gathered, start)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def map_location(device, rank, run_dir):
+    path = os.path.join(run_dir, "ddp_checks_ckpt.pt")
+    if rank == 0:
+        torch.save(nn.Linear(3, 3).to(device).state_dict(), path)
+    dist.barrier()
+    saved_on = set()
+    torch.load(path, map_location=lambda storage, loc: saved_on.add(loc) or storage, weights_only=True)
+    state = torch.load(path, map_location=device, weights_only=True)
+    dist.barrier()
+    return {"saved_on": sorted(saved_on), "loaded_on": sorted({str(t.device) for t in state.values()})}
+
+
+def main():
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    ids = [local_rank] if use_cuda else None
+    run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
+    result = {
+        "rank": rank, "world_size": world, "device": str(device),
+        "overlap_small_buckets": overlap(device, ids, bucket_cap_mb=1),
+        "overlap_one_bucket": overlap(device, ids, bucket_cap_mb=1000),
+        "buffers_equal_with_broadcast": buffers_broadcast(device, ids, rank, world, True),
+        "buffers_equal_without_broadcast": buffers_broadcast(device, ids, rank, world, False),
+        "map_location": map_location(device, rank, run_dir),
+    }
+    results = [None] * world
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        with open(os.path.join(run_dir, "ddp_checks.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
