@@ -1,0 +1,106 @@
+"""Lesson 10: a checkpoint that outlives the world size, with torch.distributed.checkpoint (DCP).
+
+    torchrun --standalone --nproc-per-node 2 beyond_dcp.py --save ckpt   # train, save sharded
+    torchrun --standalone --nproc-per-node 3 beyond_dcp.py --load ckpt   # load at 3 ranks
+An FSDP2 model holds 1/N of every parameter per rank. Saving it the lesson-03 way (rank 0
+calls torch.save) would keep only rank 0's shards. dcp.save has every rank write its own
+shards plus one metadata file that says where each piece of each tensor lives, so dcp.load
+can re-cut the pieces for any number of ranks. Writes dcp_save.json / dcp_load.json.
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from ddp_lesson import data
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--save", metavar="DIR", help="train a few steps, then save a sharded checkpoint")
+    g.add_argument("--load", metavar="DIR", help="load the checkpoint in DIR at this world size")
+    p.add_argument("--steps", type=int, default=3)
+    return p.parse_args()
+
+
+def sharded_model(mesh, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 64), nn.ReLU(), nn.Linear(64, 64),
+                          nn.ReLU(), nn.Linear(64, 10)).to(mesh.device_type)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state(model):
+    """Every parameter whole (gathered from all ranks), on CPU."""
+    return {k: v.full_tensor().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def main():
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    mesh = init_device_mesh("cuda" if use_cuda else "cpu", (world,))
+    run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
+
+    if args.save:
+        model = sharded_model(mesh, seed=0)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        x, y = data.shapes(16 * world * args.steps, seed=19).tensors
+        for s in range(args.steps):
+            i = (s * world + rank) * 16
+            F.cross_entropy(model(x[i:i + 16].to(mesh.device_type)), y[i:i + 16].to(mesh.device_type)).backward()
+            opt.step()
+            opt.zero_grad()
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save(state, checkpoint_id=args.save)        # every rank writes its own shards
+        reference = full_state(model)                     # for the check at load time only
+        mine = {k: v.to_local().numel() for k, v in model.state_dict().items()}  # rank 0's share
+        if rank == 0:
+            torch.save(reference, os.path.join(args.save, "reference_full.pt"))
+            out = {"world_size": world, "files": sorted(os.listdir(args.save)),
+                   "floats_total": sum(v.numel() for v in reference.values()),
+                   "floats_on_rank0": sum(mine.values())}
+            with open(os.path.join(run_dir, "dcp_save.json"), "w") as f:
+                json.dump(out, f, indent=1)
+    else:
+        model = sharded_model(mesh, seed=1)               # different weights: the load must replace them
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        before = full_state(model)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=args.load)          # fills this rank's shards, re-cut for N
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+        after = full_state(model)
+        reference = torch.load(os.path.join(args.load, "reference_full.pt"), weights_only=True)
+        steps = [s["step"].item() for s in opt.state.values()]
+        if rank == 0:
+            out = {"world_size": world,
+                   "max_diff_vs_saved": max((after[k] - reference[k]).abs().max().item() for k in reference),
+                   "max_diff_before_load": max((before[k] - reference[k]).abs().max().item() for k in reference),
+                   "adam_steps_restored": steps,
+                   "local_shapes": {k: list(v.to_local().shape) for k, v in model.state_dict().items()}}
+            with open(os.path.join(run_dir, "dcp_load.json"), "w") as f:
+                json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
