@@ -27,6 +27,7 @@ UPDATE_EVERY_S = 0.25  # at most 4 updates per second while a cell runs
 RED, AMBER = "#cf222e", "#9a6700"
 
 _world = None          # the world of this kernel's magics
+_panels = []           # its WorldStatus displays, refreshed when it stops
 
 
 def current_world():
@@ -126,6 +127,17 @@ class WorldStatus:
         return bundle
 
 
+def _show_status():
+    panel = WorldStatus(_world)
+    _panels[:] = [p for p in _panels if p.world is _world] + [panel]
+    display(panel)
+
+
+def _refresh_panels():
+    for panel in _panels:
+        panel.refresh()
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence, no usage block
         raise UsageError(f"{self.prog}: {message[0].upper()}{message[1:]}.")
@@ -198,7 +210,7 @@ class RanksMagics(Magics):
                 raise UsageError(f"%ranks start: {e}") from None
             except RuntimeError as e:
                 raise ShortError(str(e)) from None
-            display(WorldStatus(_world))
+            _show_status()
         elif what in ("stop", "status", "restart") and len(argv) == 1:
             if _world is None:
                 if what == "stop":
@@ -207,6 +219,7 @@ class RanksMagics(Magics):
                 raise UsageError("No world is running: start one with %ranks start.")
             if what == "stop":
                 _world.stop()
+                _refresh_panels()
                 print(f"Stopped: every process of the world has ended ({_world.run_dir}).")
             elif what == "status":
                 print(_world.describe())
@@ -215,7 +228,7 @@ class RanksMagics(Magics):
                     _world.restart()
                 except RuntimeError as e:
                     raise ShortError(str(e)) from None
-                display(WorldStatus(_world))
+                _show_status()
         else:
             raise UsageError("Use %ranks start [-n N] [--gpus IDS] [--cpu] [--timeout S], "
                              "%ranks status, %ranks restart or %ranks stop; %%ranks [RANKS] runs a cell.")
@@ -236,14 +249,15 @@ class RanksMagics(Magics):
         except ValueError as e:
             raise UsageError(f"%%ranks: {e}") from None
         except TimeoutError as e:
-            out.note = str(e)
-            live.finish()
+            for rank in getattr(e, "busy", ()):
+                out.add(rank, "stderr", "(still busy)")
+            live.finish([r for r in getattr(e, "results", ()) if r.rank not in getattr(e, "busy", ())])
             raise RanksTimeout(str(e)) from None
         except RuntimeError as e:
             raise ShortError(str(e)) from None
         except KeyboardInterrupt:
             out.note = ("Interrupted." if w.state == "ready" else
-                        "Interrupted; a rank was blocked, so the world must restart (%ranks restart).")
+                        "Interrupted; a rank was blocked, so the world must restart: %ranks restart.")
             live.finish()
             raise
         live.finish(results)

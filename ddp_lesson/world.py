@@ -150,11 +150,14 @@ class World:
             if busy:
                 self._broken = (f"a call timed out after {limit:g} s while "
                                 f"{ranks_text(busy)} {'was' if len(busy) == 1 else 'were'} busy")
-                raise TimeoutError(
+                err = TimeoutError(
                     f"{ranks_text(busy).capitalize()} did not finish within {limit:g} s "
                     f"(waiting in a collective that not every rank entered?); a rank stuck like "
                     f"that cannot be interrupted safely, so the world must restart: "
-                    f"world.restart() (in a notebook: %ranks start).")
+                    f"world.restart() (in a notebook: %ranks restart).")
+                err.busy = sorted(busy)                         # what the magics show
+                err.results = [results[r] for r in picked]      # finished ranks' results too
+                raise err
             return [results[r] for r in picked]
         finally:
             self._lock.release()
@@ -326,7 +329,7 @@ class World:
                                "%ranks start).")
         if self.state != "ready":
             raise RuntimeError(f"This world cannot run more code: {self._broken}. Restart it: "
-                               f"world.restart() (in a notebook: %ranks start).")
+                               f"world.restart() (in a notebook: %ranks restart).")
 
     def _send(self, rank, msg):
         try:
@@ -341,7 +344,7 @@ class World:
         why = (self._run.result or {}).get("message") or "its process ended"
         self._broken = f"rank {rank}'s process ended"
         raise RuntimeError(f"Rank {rank}'s process ended, so the world cannot go on ({why}). "
-                           f"Restart it: world.restart() (in a notebook: %ranks start).")
+                           f"Restart it: world.restart() (in a notebook: %ranks restart).")
 
 
 def _check_timeout(timeout):
