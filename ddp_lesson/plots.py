@@ -255,7 +255,8 @@ class LivePlot:
     def reset(self, t0=None):
         """Forget the rows (a new run); t0 is the zero of a time axis."""
         self.series = {m: Series(m, x=self.x, t0=t0) for m in self.metrics}
-        self.fig, self.axes, self._shown, self._title = None, [], None, None
+        self.title = ""   # the figure's title, drawn by the next render()
+        self.fig, self.axes, self._shown, self._drawn_title = None, [], None, None
 
     def add(self, rows):
         for s in self.series.values():
@@ -264,8 +265,10 @@ class LivePlot:
     def points(self):
         return sum(len(s) for s in self.series.values())
 
-    def render(self, title=""):
-        """PNG bytes of the current rows."""
+    def render(self, title=None):
+        """PNG bytes of the current rows (under `title`, which becomes self.title)."""
+        if title is not None:
+            self.title = title
         shown = [m for m in self.metrics if len(self.series[m])] or list(self.metrics[:1])
         if shown != self._shown:
             w, h = self.size
@@ -273,12 +276,12 @@ class LivePlot:
             self.fig.subplots_adjust(left=0.65 / (w * len(shown)), right=0.985, bottom=0.17,
                                      top=0.86, wspace=0.3)
             self.axes = list(self.fig.subplots(1, len(shown), squeeze=False)[0])
-            self._shown, self._title = shown, None
+            self._shown, self._drawn_title = shown, None
         for ax, metric in zip(self.axes, shown):
             draw_metric(ax, self.series[metric], metric, x=self.x)
-        if title != self._title:
-            self.fig.suptitle(title, fontsize="medium")
-            self._title = title
+        if self.title != self._drawn_title:
+            self.fig.suptitle(self.title, fontsize="medium")
+            self._drawn_title = self.title
         buf = io.BytesIO()
         FigureCanvasAgg(self.fig).print_png(buf)
         return buf.getvalue()

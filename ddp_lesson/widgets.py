@@ -16,9 +16,9 @@ How the panel keeps itself up to date:
 - The plot is a display handle (display(..., display_id=...) then update_display), not a
   widget: updated in place, it stays ONE output under nbval/nbclient, and the last frame
   stays in the saved notebook as a plain PNG. No clear_output, no ipympl.
-- Frames are throttled to 4 per second at most, and to fewer when a frame is slow to draw
-  (a frame may use ~5% of one core), because on a small machine the kernel shares cores
-  with the ranks it watches.
+- What to show comes from a monitor.Monitor (the command line's follow loop uses the same);
+  when to draw from a monitor.FrameClock: 4 frames per second at most, fewer when a frame
+  is slow to draw, because on a small machine the kernel shares cores with the ranks.
 """
 import html
 import threading
@@ -28,13 +28,7 @@ from pathlib import Path
 import ipywidgets as W
 from IPython.display import Image, display, update_display
 
-from . import BadInput, devices, failures, launch, plots, runs
-
-POLL_S = 0.25          # how often the panel reads new metric rows
-MIN_FRAME_S = 0.25     # at most 4 frames per second
-FRAME_BUDGET = 0.05    # a frame may cost this share of the time between frames
-MAX_FRAME_S = 2.0      # ... but a live plot never waits longer than this
-LOG_LINES = 15
+from . import BadInput, devices, launch, monitor, plots, runs
 
 STATUS_COLORS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e",
                  "interrupted": "#9a6700", "timeout": "#cf222e", "bad input": "#cf222e",
@@ -141,92 +135,113 @@ def option_args(options):
     return args
 
 
+def apply_overrides(inputs, defaults, overrides):
+    """Put `overrides` into the option widgets (batch_size=... also sets "batch-size");
+    BadInput, one sentence, for an unknown option or a value its widget cannot hold."""
+    for key, value in overrides.items():
+        name = key if key in inputs else key.replace("_", "-")
+        if name not in inputs:
+            known = ", ".join(inputs) or "none"
+            raise BadInput(f"This panel has no option {key!r}; its options are: {known}.")
+        w = inputs[name]
+        try:
+            w.value = value
+        except Exception:
+            raise BadInput(f"Option {name} cannot be {value!r}.") from None
+        if w.value != value:  # e.g. 0.5 into a whole-number box
+            raise BadInput(f"Option {name} takes a value like {defaults[name]!r}, got {value!r}.")
+
+
+def next_run_dir(base_run_dir, runs_base, earlier, stem):
+    """The run directory of a panel's next run: `base_run_dir`, then base-2, base-3, ...;
+    else a new one under `runs_base`; else None (the launcher's default)."""
+    if base_run_dir:
+        base = Path(base_run_dir)
+        return base if not earlier else base.with_name(f"{base.name}-{len(earlier) + 1}")
+    if runs_base:
+        return runs.new_run_dir(base=runs_base, name=stem)
+    return None
+
+
+class LiveFrame:
+    """The live plot as one display handle (display, then update_display): updated in
+    place, drawn only when its FrameClock says a frame is due."""
+
+    def __init__(self, metrics=("loss", "accuracy"), x="step"):
+        self.live = plots.LivePlot(metrics, x=x)
+        self.clock = monitor.FrameClock()
+        self.png = None          # the last frame
+        self.display_id = None   # set once shown
+
+    def reset(self, t0=None):
+        self.live.reset(t0=t0)
+        self.clock = monitor.FrameClock()
+
+    def show(self):
+        if self.display_id is None:
+            self.display_id = f"ddp-lesson-plot-{id(self):x}-{time.time_ns():x}"
+        if self.png is None:
+            display({"text/plain": "(the live plot appears here once a run logs metrics)"},
+                    raw=True, display_id=self.display_id)
+        else:
+            display(Image(data=self.png, format="png"), display_id=self.display_id)
+
+    def update(self, rows, title, final=False):
+        self.live.add(rows)
+        points = self.live.points()
+        if not self.clock.due(points, title, final):
+            return
+        t = time.perf_counter()
+        self.live.title = title
+        self.png = self.live.render()
+        self.clock.drawn(points, title, time.perf_counter() - t)
+        if self.display_id is not None:
+            update_display(Image(data=self.png, format="png"), display_id=self.display_id)
+
+
 class RunPanel:
     """Run / Stop buttons, options, device picker, status line, log tail and a live plot
-    for one training script. See the module docstring for how it updates itself."""
+    for one training script: a view over a monitor.Monitor of its latest run."""
 
     def __init__(self, script, options=None, picker=None, metrics=("loss", "accuracy"),
                  x="step", label=None, run_dir=None, runs_base=None, timeout=None,
                  extra_args=()):
-        self.script = Path(script)
-        self.options = dict(options or {})
+        self.script, self.options = Path(script), dict(options or {})
         self.picker = picker if picker is not None else DevicePicker()
-        self.metrics, self.x, self.label = tuple(metrics), x, label
+        self.label, self.timeout, self.extra_args = label, timeout, [str(a) for a in extra_args]
         self.base_run_dir, self.runs_base = run_dir, runs_base
-        self.timeout, self.extra_args = timeout, [str(a) for a in extra_args]
-        self.last_run = None
-        self.runs = []          # run directories launched from this panel, oldest first
-        self.error = None       # the sentence of the last bad input, until a run starts
-        self.frames = 0         # plot frames rendered (tests and the benchmark read it)
-        self.png = None         # the last frame
-        self.frame_s = 0.0      # how long the last frame took to draw
-        self._live = plots.LivePlot(self.metrics, x=x)
-        self._lock = threading.RLock()
-        self._waiting = False
-        self._monitor = None
-        self._display_id = None
-        self._last_frame = 0.0
-        self._drawn_points = -1
-        self._log_text = None
-        self._status = ("idle", "")
-
+        # runs: run directories launched here, oldest first; error: the last bad input's sentence
+        self.last_run, self.runs, self.error = None, [], None
+        self.plot = LiveFrame(metrics, x=x)
+        self.status, self.status_text, self.log_text = "idle", "", ""
+        self._monitor, self._waiting = None, False
+        self._lock = threading.RLock()   # one poll (and draw) at a time: thread or wait()
         self.inputs = {name: _option_widget(name, value) for name, value in self.options.items()}
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
-        self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop",
-                                    disabled=True)
+        self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
         self.run_button.on_click(lambda _: self.run())
-        self.stop_button.on_click(lambda _: self._stop_in_background())
-        self.status_html = W.HTML()
-        self.log_html = W.HTML()
-        title = W.HTML(f"<b>{html.escape(self.script.name)}</b>")
+        self.stop_button.on_click(lambda _: threading.Thread(target=self.stop, daemon=True).start())
+        self.status_html, self.log_html = W.HTML(), W.HTML()
         self.widget = W.VBox([
-            title,
+            W.HTML(f"<b>{html.escape(self.script.name)}</b>"),
             W.HBox(list(self.inputs.values()), layout=W.Layout(flex_flow="row wrap")),
-            self.picker.widget,
-            W.HBox([self.run_button, self.stop_button]),
-            self.status_html,
-            self.log_html,
-        ])
+            self.picker.widget, W.HBox([self.run_button, self.stop_button]),
+            self.status_html, self.log_html])
         self._set_status("idle", "Press Run to start.")
 
-    # -- what the notebook sees -------------------------------------------------------
-    @property
-    def status(self):
-        """"idle", "running", "stopping", "ok", "failed", "interrupted", "timeout" or
-        "bad input"."""
-        return self._status[0]
+    frames = property(lambda self: self.plot.clock.frames, doc="plot frames drawn so far")
+    frame_s = property(lambda self: self.plot.clock.frame_s, doc="seconds the last frame took")
+    png = property(lambda self: self.plot.png, doc="the last frame")
+    result = property(lambda self: self.last_run.result if self.last_run else None)
+    run_dir = property(lambda self: self.last_run.run_dir if self.last_run else None)
 
-    @property
-    def status_text(self):
-        return self._status[1]
-
-    @property
-    def log_text(self):
-        return self._log_text or ""
-
-    @property
-    def result(self):
-        return self.last_run.result if self.last_run else None
-
-    @property
-    def run_dir(self):
-        return self.last_run.run_dir if self.last_run else None
-
-    def values(self):
-        """The options as the widgets hold them now."""
+    def values(self):  # the options as the widgets hold them now
         return {name: w.value for name, w in self.inputs.items()}
 
     def _ipython_display_(self):
-        if self._display_id is None:
-            self._display_id = f"ddp-lesson-plot-{id(self):x}-{time.time_ns():x}"
         display(self.widget)
-        if self.png is None:
-            display({"text/plain": "(the live plot appears here once a run logs metrics)"},
-                    raw=True, display_id=self._display_id)
-        else:
-            display(Image(data=self.png, format="png"), display_id=self._display_id)
+        self.plot.show()
 
-    # -- actions ----------------------------------------------------------------------
     def run(self, **overrides):
         """Start a run with the options in the widgets, changed by `overrides`
         (batch_size=... also sets "batch-size"). Returns the launch.Run at once, or None
@@ -234,53 +249,48 @@ class RunPanel:
         with self._lock:
             if self.last_run is not None and not self.last_run.done():
                 self._set_status("running", "A run is already going; press Stop first. "
-                                 + self._running_text())
+                                 + monitor.running_text(self.last_run))
                 return None
             try:
-                self._apply(overrides)
+                apply_overrides(self.inputs, self.options, overrides)
+                run_dir = next_run_dir(self.base_run_dir, self.runs_base, self.runs, self.label or self.script.stem)
                 run = launch.start(self.script, args=option_args(self.values()) + self.extra_args,
-                                   run_dir=self._next_run_dir(), timeout=self.timeout,
-                                   label=self.label, **self.picker.selection())
+                                   run_dir=run_dir, timeout=self.timeout, label=self.label,
+                                   **self.picker.selection())
             except BadInput as e:
                 self.error = str(e)
                 self._set_status("bad input", f"Not started: {e}")
                 return None
-            self.error = None
-            self.last_run = run
+            self.error, self.last_run = None, run
             self.runs.append(run.run_dir)
-            self._live.reset(t0=run.config.get("start_unix"))
-            self._drawn_points, self._last_frame, self._log_text = -1, 0.0, None
+            self._monitor = monitor.Monitor(run)
+            self.plot.reset(t0=run.config.get("start_unix"))
             self._set_busy(True)
-            self._set_status("running", self._running_text())
+            self._set_status("running", monitor.running_text(run))
             self._set_log("")
-            self._monitor = threading.Thread(target=self._watch, args=(run,), daemon=True,
-                                             name="ddp-lesson-panel")
-            self._monitor.start()
+            threading.Thread(target=self._watch, args=(run,), daemon=True, name="ddp-lesson-panel").start()
             return run
 
     def wait(self, timeout=None):
-        """Block until the run ends, keeping plot, status and log up to date from this
-        thread; returns the result dict (None if still running after `timeout` s). An
-        interrupt stops the run, shows it as interrupted, then propagates."""
+        """Block until the run ends, updating the panel from this thread; the result (None
+        if still running after `timeout` s). An interrupt stops the run, then propagates."""
         run = self.last_run
         if run is None:
             raise BadInput(self.error or "Nothing to wait for: press Run or call panel.run() first.")
-        if self._display_id is None and _in_kernel():
+        if self.plot.display_id is None and _in_kernel():
             display(self)  # headless `panel.run(); panel.wait()`: show it where it runs
         end = None if timeout is None else time.monotonic() + timeout
         self._waiting = True
         try:
-            while not run.done():
-                self._tick(run)
+            while not self._update(run):
                 if end is not None and time.monotonic() >= end:
                     return None
-                run._done.wait(POLL_S)
+                run.wait_done(monitor.POLL_S)
         except KeyboardInterrupt:
             self.stop()
             raise
         finally:
             self._waiting = False
-        self._finish(run)
         return run.result
 
     def stop(self):
@@ -291,157 +301,51 @@ class RunPanel:
         self._set_status("stopping", "Stopping: ending every process of the run ...")
         self.stop_button.disabled = True
         run.stop()
-        self._finish(run)
+        self._update(run)
         return run.result
 
-    def _stop_in_background(self):
-        # A click must not hold up the kernel for the seconds a clean stop can take.
-        threading.Thread(target=self.stop, daemon=True, name="ddp-lesson-stop").start()
-
-    # -- inside -----------------------------------------------------------------------
-    def _apply(self, overrides):
-        for key, value in overrides.items():
-            name = key if key in self.inputs else key.replace("_", "-")
-            if name not in self.inputs:
-                known = ", ".join(self.inputs) or "none"
-                raise BadInput(f"This panel has no option {key!r}; its options are: {known}.")
-            w = self.inputs[name]
-            try:
-                w.value = value
-            except Exception:
-                raise BadInput(f"Option {name} cannot be {value!r}.") from None
-            if w.value != value:  # e.g. 0.5 into a whole-number box
-                raise BadInput(f"Option {name} takes a value like {self.options[name]!r}, got {value!r}.")
-
-    def _next_run_dir(self):
-        stem = self.label or self.script.stem
-        if self.base_run_dir:
-            base = Path(self.base_run_dir)
-            return base if not self.runs else base.with_name(f"{base.name}-{len(self.runs) + 1}")
-        if self.runs_base:
-            return runs.new_run_dir(base=self.runs_base, name=stem)
-        return None
-
     def _watch(self, run):
-        """The click path: poll until the run ends unless wait() is doing it."""
-        while not run.done():
+        """After a click nobody waits: poll from this thread unless wait() is doing it."""
+        ended = False
+        while not ended:
+            ended = run.wait_done(monitor.POLL_S)
             if not self._waiting:
                 try:
-                    self._tick(run)
+                    ended = self._update(run)
                 except Exception as e:  # keep watching; say what went wrong
                     self._set_log(f"(panel could not update: {e!r})")
-            run._done.wait(POLL_S)
-        if not self._waiting:
-            self._finish(run)
 
-    def _tick(self, run, final=False):
+    def _update(self, run):
+        """One poll of the monitor shown in the widgets and the plot; True once ended."""
         with self._lock:
             if run is not self.last_run:
-                return
-            self._live.add(run.metrics())
-            if not final and not run.done():
-                self._set_status("running", self._running_text())
-            self._set_log(run.log_tail(lines=LOG_LINES))
-            self._maybe_draw(run, final)
-
-    def _finish(self, run):
-        with self._lock:
-            if run is not self.last_run or run.result is None:
-                return
+                return True
+            u = self._monitor.poll()
             try:
-                self._tick(run, final=True)
+                self._set_log(u.log)
+                self.plot.update(u.rows, monitor.title(run), final=u.ended)
             finally:  # whatever the plot did, the buttons and status must be right
-                self._show_result(run)
-
-    def _show_result(self, run):
-        res = run.result
-        self._set_status(res["status"], self._result_text(res))
-        log = run.log_tail(lines=LOG_LINES)
-        if res["status"] == "failed":
-            log = (log + "\n\n" if log else "") + res.get("message", "")
-        self._set_log(log)
-        self._set_busy(False)
-
-    def _maybe_draw(self, run, final):
-        points = self._live.points()
-        now = time.monotonic()
-        interval = min(MAX_FRAME_S, max(MIN_FRAME_S, self.frame_s / FRAME_BUDGET))
-        if not final and (points == self._drawn_points or now - self._last_frame < interval):
-            return
-        if final and points == self._drawn_points and self.png is not None and \
-                self._title(run) == self._live._title:
-            return
-        t = time.perf_counter()
-        self.png = self._live.render(self._title(run))
-        self.frame_s = time.perf_counter() - t
-        self.frames += 1
-        self._last_frame, self._drawn_points = now, points
-        if self._display_id is not None:
-            update_display(Image(data=self.png, format="png"), display_id=self._display_id)
-
-    def _title(self, run):
-        res = run.result
-        state = res["status"] if res else "running"
-        extra = f", {res['duration_s']:.1f} s" if res and res.get("duration_s") is not None else ""
-        return f"{run.config.get('label', run.run_dir.name)}: {state}{extra}  ({self._where(run)})"
-
-    def _where(self, run):
-        n = run.config.get("nproc")
-        devs = run.config.get("devices")
-        return f"{n} CPU process(es), gloo" if devs == "cpu" else f"GPU {','.join(map(str, devs))}, {run.config.get('backend')}"
-
-    def _running_text(self):
-        run = self.last_run
-        if run is None:
-            return ""
-        rows = run.rows
-        step = max((r.get("step", 0) for r in rows[-50:]), default=None)
-        at = f", step {step}" if step is not None else ", starting"
-        return f"Running: {self._where(run)}{at}, {time.monotonic() - run._t0:.0f} s. Run dir: {run.run_dir}"
-
-    def _result_text(self, res):
-        status = res["status"]
-        if status == "ok":
-            rec_bits = []
-            for key, fmt in (("loss", "{:.3f}"), ("accuracy", "{:.1%}")):
-                vals = [r[key] for r in self.last_run.rows if key in r]
-                if vals:
-                    rec_bits.append(f"{key} {fmt.format(vals[-1])}")
-            tail = (", " + ", ".join(rec_bits)) if rec_bits else ""
-            return f"Finished ok in {res['duration_s']:.1f} s{tail}. Run dir: {self.run_dir}"
-        if status == "failed":
-            f = res.get("failure")
-            if f:
-                return "Failed: " + failures.headline(f)
-            return "Failed: " + res.get("message", "see logs/agent.log in the run directory.").splitlines()[0]
-        if status == "interrupted":
-            return "Interrupted: " + res.get("message", "the run was stopped.")
-        if status == "timeout":
-            return "Timed out: " + res.get("message", "")
-        return status
+                self._set_status(u.state, u.text)
+                if u.ended:
+                    self._set_busy(False)
+            return u.ended
 
     def _set_status(self, state, text):
-        if (state, text) == self._status:
-            return
-        self._status = (state, text)
-        color = STATUS_COLORS.get(state, "black")
-        self.status_html.value = (f"<span style='color:{color}'><b>{html.escape(state)}</b></span> "
-                                  f"{html.escape(text)}")
+        if (state, text) != (self.status, self.status_text):  # an unchanged value costs a message
+            self.status, self.status_text = state, text
+            self.status_html.value = (f"<span style='color:{STATUS_COLORS.get(state, 'black')}'>"
+                                      f"<b>{html.escape(state)}</b></span> {html.escape(text)}")
 
     def _set_log(self, text):
-        if text == self._log_text:
-            return  # sending the same widget value again costs a message for nothing
-        self._log_text = text
-        self.log_html.value = (f"<pre style='max-height:16em;overflow:auto;font-size:85%;"
-                               f"margin:0'>{html.escape(text)}</pre>" if text else "")
+        if text != self.log_text:
+            self.log_text = text
+            self.log_html.value = (f"<pre style='max-height:16em;overflow:auto;font-size:85%;"
+                                   f"margin:0'>{html.escape(text)}</pre>" if text else "")
 
     def _set_busy(self, busy):
-        self.run_button.disabled = busy
         self.stop_button.disabled = not busy
-        self.picker.disabled = busy
-        for w in self.inputs.values():
+        for w in [self.run_button, self.picker, *self.inputs.values()]:
             w.disabled = busy
 
     def __repr__(self):
         return f"<RunPanel {self.script} {self.status}>"
-

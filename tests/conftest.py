@@ -19,26 +19,23 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ddp_lesson import procs
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-ENV_KEY = "DDP_LESSON_RUN_DIR"
+ENV_KEY = procs.ENV_KEY
+
+
+def _run_dir_of(p):
+    try:
+        return os.path.abspath(p.environ().get(ENV_KEY, "")) + os.sep
+    except psutil.Error:  # gone since it was listed
+        return ""
 
 
 def _processes_under(base):
     base = os.path.abspath(base) + os.sep
-    me = os.getpid()
-    found = []
-    for p in psutil.process_iter():
-        if p.pid == me:
-            continue
-        try:
-            value = p.environ().get(ENV_KEY)
-            if value and (os.path.abspath(value) + os.sep).startswith(base) \
-                    and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
+    return [p for p in procs.run_processes() if _run_dir_of(p).startswith(base) and procs.alive(p)]
 
 
 def processes_under(base):
@@ -98,10 +95,6 @@ def no_leftover_processes(tmp_path_factory):
     left = wait_until(lambda: not _processes_under(base), timeout=10, interval=0.2)
     if left is None:
         stragglers = _processes_under(base)
-        desc = [(p.pid, " ".join(p.cmdline()[:6])) for p in stragglers if psutil.pid_exists(p.pid)]
-        for p in stragglers:  # ours: their run directory is in our temp folder
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        desc = [(p.pid, " ".join(p.cmdline()[:6])) for p in stragglers if procs.alive(p)]
+        procs.kill_all(stragglers)  # ours: their run directory is in our temp folder
         pytest.fail(f"processes of a run were left behind: {desc}")

@@ -22,16 +22,15 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
+from ddp_lesson import launch, procs
 from conftest import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,12 +71,6 @@ def find_chromium():
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_notebook(path):
@@ -125,7 +118,7 @@ class Lab:
     """A JupyterLab server in its own session; `close()` ends it and all it started."""
 
     def __init__(self, root, home, log_path):
-        self.port = free_port()
+        self.port = launch.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
@@ -141,12 +134,8 @@ class Lab:
         self.seen = {}  # pid -> psutil.Process: everything of the server's tree we saw
 
     def remember(self):
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in [root] + root.children(recursive=True):
-                self.seen.setdefault(p.pid, p)
-        except psutil.Error:
-            pass
+        for p in procs.tree(self.proc.pid):
+            self.seen.setdefault(p.pid, p)
 
     def wait_ready(self, timeout):
         end = time.monotonic() + timeout
@@ -170,24 +159,13 @@ class Lab:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 pass
-        left = [p for p in self.seen.values() if _alive(p)]
-        for p in left:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=10)
+        left = [p for p in self.seen.values() if procs.alive(p)]
+        procs.kill_all(left)
+        procs.wait_gone(left, timeout=10)
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
         self.log.close()
-
-
-def _alive(p):
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class Shots:
@@ -295,8 +273,6 @@ def test_run_panel_in_jupyterlab(lab, page):
 
 
 def drive(lab, page, shot):
-    from ddp_lesson import procs
-
     page.goto(f"{lab.url}/lab/tree/panel.ipynb")
     wait_for(page, page.locator(".jp-NotebookPanel .jp-Cell").nth(2), KERNEL_READY_S, "the notebook")
     wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
@@ -376,8 +352,8 @@ def drive(lab, page, shot):
     poll(lambda: (second / "result.json").exists(), STOP_S, what="the second run to end after Stop")
     result = json.loads((second / "result.json").read_text())
     assert result["status"] == "interrupted", result
-    psutil.wait_procs(running, timeout=10)
-    assert not [p.pid for p in running if _alive(p)], f"processes of the stopped run still alive (of {pids})"
+    procs.wait_gone(running, timeout=10)
+    assert not [p.pid for p in running if procs.alive(p)], f"processes of the stopped run still alive (of {pids})"
     assert not procs.run_processes(second), "processes of the stopped run are still alive"
     poll(lambda: status_is("interrupted"), 30, what="the status line to say interrupted")
     shot("second-run-stopped")
@@ -396,8 +372,8 @@ def drive(lab, page, shot):
     page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
     page.locator(".lm-Menu-item[data-command='kernelmenu:restart']").click()
     page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept").click()
-    psutil.wait_procs(running, timeout=30)
-    assert not [p.pid for p in running if _alive(p)], \
+    procs.wait_gone(running, timeout=30)
+    assert not [p.pid for p in running if procs.alive(p)], \
         f"processes of a run outlived the kernel restart (of {pids})"
     assert not procs.run_processes(third), "processes of a run outlived the kernel restart"
     wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,

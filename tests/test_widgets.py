@@ -1,6 +1,8 @@
 """The device picker and the run panel, driven like a learner would (values, .click()),
 with real torchrun runs on 2 CPU ranks, and once headless in a kernel via nbclient."""
 
+import threading
+
 import ipywidgets as W
 import pytest
 
@@ -135,8 +137,8 @@ def test_run_button_trains_to_completion_and_the_plot_follows(tmp_path, shown):
     assert panel.frames == len(shown["update"])
     final = shown["update"][-1][0]
     assert final.data == panel.png and panel.png[:4] == b"\x89PNG"
-    assert "panel-ok: ok" in panel._live._title
-    assert panel._live.points() == len(panel.last_run.rows) > 10
+    assert "panel-ok: ok" in panel.plot.live.title
+    assert panel.plot.live.points() == len(panel.last_run.rows) > 10
 
 
 def test_stop_and_interrupt_end_every_process(tmp_path, write_script, monkeypatch):
@@ -146,12 +148,13 @@ def test_stop_and_interrupt_end_every_process(tmp_path, write_script, monkeypatc
     # Interrupt (the notebook's stop button) while wait() runs: the run is stopped first.
     # It lands while torchrun is still starting its workers, the hardest moment to clean up.
     run = panel.run()
-    real_tick = panel._tick
-    def tick(*a, **kw):  # Ctrl-C lands while the panel polls, once
-        monkeypatch.setattr(panel, "_tick", real_tick)
-        real_tick(*a, **kw)
+    real_wait = run.wait_done
+    def wait_done(*a, **kw):  # Ctrl-C lands while wait() waits between polls, once
+        if threading.current_thread() is not threading.main_thread():
+            return real_wait(*a, **kw)   # the panel's own polling thread
+        monkeypatch.setattr(run, "wait_done", real_wait)
         raise KeyboardInterrupt
-    monkeypatch.setattr(panel, "_tick", tick)
+    monkeypatch.setattr(run, "wait_done", wait_done)
     with pytest.raises(KeyboardInterrupt):
         panel.wait()
     assert panel.status == "interrupted", panel.status_text

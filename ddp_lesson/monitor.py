@@ -1,0 +1,125 @@
+"""Watching a run without any UI: what the command line's follow loop and the notebook's
+RunPanel both show, read from one launch.Run.
+
+    mon = Monitor(run, output=True)
+    for u in mon.updates():            # one Update per poll; the last has ended=True
+        u.rows, u.state, u.text        # new metric rows; "running"/"ok"/...; the status line
+        u.log, u.output                # rank 0's log tail; new (rank, stream, text) chunks
+
+`FrameClock` says when a live plot should draw its next frame: at most 4 frames per
+second, fewer when a frame is slow to draw (on a small machine the viewer shares cores
+with the ranks it watches), and never more than MAX_FRAME_S apart while points arrive.
+"""
+import time
+from dataclasses import dataclass, field
+
+from . import devices, failures
+
+POLL_S = 0.25          # how often a view reads new rows and logs
+LOG_LINES = 15
+MIN_FRAME_S = 0.25     # at most 4 frames per second
+FRAME_BUDGET = 0.05    # a frame may cost this share of the time between frames
+MAX_FRAME_S = 2.0      # ... but a live plot never waits longer than this
+
+
+def where(config):
+    """The devices of a run, in the one wording of a device plan."""
+    return devices.describe(config.get("nproc"), config.get("devices"), config.get("backend"))
+
+
+def title(run):
+    """`label: status, 12.3 s  (devices)`: the live plot's title."""
+    res = run.result
+    state = res["status"] if res else "running"
+    extra = f", {res['duration_s']:.1f} s" if res and res.get("duration_s") is not None else ""
+    return f"{run.config.get('label', run.run_dir.name)}: {state}{extra}  ({where(run.config)})"
+
+
+def running_text(run):
+    step = max((r.get("step", 0) for r in run.rows[-50:]), default=None)
+    at = f", step {step}" if step is not None else ", starting"
+    return f"Running: {where(run.config)}{at}, {run.elapsed:.0f} s. Run dir: {run.run_dir}"
+
+
+def result_text(run):
+    """One line for an ended run: how it ended and, when ok, the last loss and accuracy."""
+    res = run.result
+    status = res["status"]
+    if status == "ok":
+        bits = []
+        for key, fmt in (("loss", "{:.3f}"), ("accuracy", "{:.1%}")):
+            vals = [r[key] for r in run.rows if key in r]
+            if vals:
+                bits.append(f"{key} {fmt.format(vals[-1])}")
+        tail = (", " + ", ".join(bits)) if bits else ""
+        return f"Finished ok in {res['duration_s']:.1f} s{tail}. Run dir: {run.run_dir}"
+    if status == "failed":
+        if res.get("failure"):
+            return "Failed: " + failures.headline(res["failure"])
+        return "Failed: " + res.get("message", "see logs/agent.log in the run directory.").splitlines()[0]
+    if status == "interrupted":
+        return "Interrupted: " + res.get("message", "the run was stopped.")
+    if status == "timeout":
+        return "Timed out: " + res.get("message", "")
+    return status
+
+
+@dataclass
+class Update:
+    rows: list                     # metric rows new since the last poll
+    state: str                     # "running", or the result's status once ended
+    text: str                      # the status line
+    log: str = ""                  # rank 0's stdout tail (with the failure's message once failed)
+    output: list = field(default_factory=list)   # new (rank, stream, text) chunks, with output=True
+    ended: bool = False
+
+
+class Monitor:
+    """Polls one launch.Run. Not thread-safe: one poller at a time."""
+
+    def __init__(self, run, log_lines=LOG_LINES, output=False):
+        self.run = run
+        self.log_lines = log_lines
+        self._output = run.output() if output else None
+
+    def poll(self):
+        run = self.run
+        ended = run.done()   # read before the files, so the last poll sees everything
+        rows = run.metrics()
+        chunks = self._output.read() if self._output is not None else []
+        log = run.log_tail(lines=self.log_lines) if self.log_lines else ""
+        if not ended:
+            return Update(rows, "running", running_text(run), log, chunks)
+        if run.result["status"] == "failed":
+            log = (log + "\n\n" if log else "") + run.result.get("message", "")
+        return Update(rows, run.result["status"], result_text(run), log, chunks, ended=True)
+
+    def updates(self, interval=POLL_S, timeout=None):
+        """Poll every `interval` s until the run ends (the last Update has ended=True) or
+        `timeout` s pass (then the generator just stops)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            u = self.poll()
+            yield u
+            if u.ended or (end is not None and time.monotonic() >= end):
+                return
+            self.run.wait_done(interval)
+
+
+class FrameClock:
+    """Decides when a live plot draws; `frames` and `frame_s` say what drawing cost."""
+
+    def __init__(self):
+        self.frames, self.frame_s = 0, 0.0
+        self._last, self._points, self._title = 0.0, -1, None
+
+    def due(self, points, title, final=False):
+        if final:   # the last frame: unless exactly this was drawn already
+            return points != self._points or title != self._title or self.frames == 0
+        interval = min(MAX_FRAME_S, max(MIN_FRAME_S, self.frame_s / FRAME_BUDGET))
+        return points != self._points and time.monotonic() - self._last >= interval
+
+    def drawn(self, points, title, seconds):
+        self.frames += 1
+        self.frame_s = seconds
+        self._last, self._points, self._title = time.monotonic(), points, title
