@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import BadInput, checks, devices, failures, launch
+from . import BadInput, checks, devices, failures, launch, monitor
 
 SCRIPTS = Path(__file__).parent / "scripts"
 EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
@@ -58,19 +58,15 @@ def build_parser():
 def follow(run, out=sys.stdout, err=sys.stderr):
     """Echo the ranks' output while the run goes: rank 0 as it is (its progress bar
     included), other ranks prefixed with [rankN]."""
-    tail = run.output()
-    ended = False
-    while True:
-        for rank, stream, text in tail.read():
+    for update in monitor.Monitor(run, log_lines=0, output=True).updates(interval=0.2):
+        for rank, stream, text in update.output:
             target = out if stream == "stdout" else err
             if rank == 0 and stream == "stdout":
                 target.write(text)
             else:
                 target.write("".join(f"[rank{rank}] {line}\n" for line in text.splitlines()))
             target.flush()
-        if ended:
-            return run.result
-        ended = run.wait(timeout=0.2) is not None
+    return run.result
 
 
 def report(run, out=sys.stdout, err=sys.stderr, echoed=False):
