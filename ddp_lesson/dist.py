@@ -30,38 +30,12 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
-def _reduce(value, op):
+def reduce_mean(value):
+    """Mean of `value` (number or tensor) over ranks, a new tensor on CPU; for logging only
+    (the loss for backward is never reduced by hand)."""
     t = torch.as_tensor(value, dtype=torch.float64).clone()
     if is_distributed():
         if dist.get_backend() == "nccl":
             t = t.cuda()
-        dist.all_reduce(t, op=op)
-    return t.cpu()
-
-
-def reduce_sum(value):
-    """Sum of `value` (number or tensor) over all ranks, for logging: a new tensor on CPU."""
-    return _reduce(value, dist.ReduceOp.SUM)
-
-
-def reduce_mean(value):
-    """Mean over ranks; for logging only (the loss for backward is never reduced by hand)."""
-    return _reduce(value, dist.ReduceOp.SUM) / world_size()
-
-
-def setup(backend=None):
-    """init_process_group + set_device for scripts whose lesson is elsewhere (benchmarks,
-    hello world). Returns the device this rank should use."""
-    use_cuda = torch.cuda.is_available()
-    if not is_distributed() and "RANK" in os.environ:
-        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
-def teardown():
-    if is_distributed():
-        dist.destroy_process_group()
+        dist.all_reduce(t)
+    return t.cpu() / world_size()

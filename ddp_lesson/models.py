@@ -20,12 +20,3 @@ class SmallCNN(nn.Module):
 
     def forward(self, x):
         return self.classifier(self.features(x).flatten(1))
-
-
-class TinyMLP(nn.Module):
-    def __init__(self, in_features=8, hidden=16, out_features=1):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, out_features))
-
-    def forward(self, x):
-        return self.net(x)

@@ -5,7 +5,7 @@ and each rank normalises its own batch with the global mean and variance. The al
 is the differentiable one (torch.distributed.nn), so backward also sums over ranks, as
 nn.SyncBatchNorm's backward does.
 
-    model = convert_sync_batchnorm(model)   # nn.SyncBatchNorm on GPUs, this on CPU
+    model = convert_sync_batchnorm(model)   # nn.SyncBatchNorm for a model on GPUs, this on CPU
 """
 import torch
 import torch.distributed as dist
@@ -38,9 +38,15 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
 
 
 def convert_sync_batchnorm(module):
-    """nn.SyncBatchNorm.convert_sync_batchnorm on GPUs; CPUSyncBatchNorm layers otherwise."""
-    if torch.cuda.is_available():
+    """nn.SyncBatchNorm.convert_sync_batchnorm for a model whose tensors are on GPUs (nccl);
+    CPUSyncBatchNorm layers for one on the CPU (gloo). Decided by where the model lives, not
+    by whether this machine has a GPU: CPU ranks on a GPU machine need the CPU version."""
+    if any(t.is_cuda for t in list(module.parameters()) + list(module.buffers())):
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    return _to_cpu_sync(module)
+
+
+def _to_cpu_sync(module):
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CPUSyncBatchNorm):
         new = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                module.track_running_stats)
@@ -48,5 +54,5 @@ def convert_sync_batchnorm(module):
         new.train(module.training)
         return new
     for name, child in module.named_children():
-        module.add_module(name, convert_sync_batchnorm(child))
+        module.add_module(name, _to_cpu_sync(child))
     return module

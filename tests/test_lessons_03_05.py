@@ -152,3 +152,12 @@ def test_launch_variants():
         assert out[k][0].count("sum 2") == 2, out[k]
     assert "from the environment" in out["launch"][0]     # --use-env: LOCAL_RANK in the env
     assert "deprecated" in out["launch"][1]
+
+
+def test_convert_sync_batchnorm_follows_where_the_model_lives(monkeypatch):
+    import torch
+    from ddp_lesson import models, syncbn
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a GPU machine, CPU ranks
+    model = syncbn.convert_sync_batchnorm(models.SmallCNN())
+    kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    assert kinds == {syncbn.CPUSyncBatchNorm}
