@@ -1,0 +1,72 @@
+"""The sharding and checkpoint checks of notebook 10, as tests: the same scripts, launched
+through ddp_lesson.launch on gloo CPU ranks (DDP_LESSON_NPROC, else 2). Expectations come
+from each run's world size. The shard run and the checkpoint save start together."""
+import json
+import math
+
+import pytest
+
+from ddp_lesson import launch
+from ddp_lesson.lesson import SCRIPTS
+
+
+def finished(run, filename):
+    result = run.wait()
+    assert result["status"] == "ok", result.get("message")
+    return json.loads((run.run_dir / filename).read_text())
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs10")
+    ckpt = base / "ckpt"
+    started = {
+        "shard": launch.start(SCRIPTS / "beyond_shard.py", cpu=True, args=["--steps", "3"],
+                              run_dir=base / "shard", timeout=300),
+        "save": launch.start(SCRIPTS / "beyond_dcp.py", cpu=True, args=["--save", str(ckpt)],
+                             run_dir=base / "save", timeout=300),
+    }
+    started["ckpt"] = ckpt
+    yield started
+    for run in started.values():
+        if hasattr(run, "stop"):
+            run.stop()
+
+
+def test_zero_shards_the_optimizer_state_and_trains_like_ddp(launched):
+    v = finished(launched["shard"], "shard.json")
+    n, p = v["world_size"], v["params"]
+    assert n == launched["shard"].config["world_size"]
+    z = v["zero_state_floats_per_rank"]
+    assert len(z) == n and sum(z) == 2 * p                       # Adam's two moments, split
+    assert max(z) <= 2 * p / n + 2 * v["largest_param"]           # ~1/N, by whole parameters
+    assert math.isclose(v["held"]["zero"]["optimizer"], 8 * p / n, rel_tol=0.02, abs_tol=8 * 2 * v["largest_param"])
+    assert v["held"]["ddp"]["optimizer"] == 8 * p                 # DDP: all of it on every rank
+    assert v["zero_max_weight_diff_vs_ddp"] < 1e-6
+
+
+def test_fsdp2_shards_parameters_and_matches_ddp(launched):
+    v = finished(launched["shard"], "shard.json")
+    n, p = v["world_size"], v["params"]
+    assert sum(v["fsdp_local_floats_per_rank"]) == p
+    for name, (loc, full) in v["fsdp_local_shapes"].items():
+        assert loc[1:] == full[1:] and loc[0] == math.ceil(full[0] / n), name   # rank 0's rows
+    assert math.isclose(v["held"]["fsdp"]["params"], 4 * p / n, rel_tol=0.05)
+    assert math.isclose(v["held"]["fsdp"]["optimizer"], 8 * p / n, rel_tol=0.05)
+    assert v["fsdp_max_loss_diff_vs_ddp"] < 1e-5
+    assert v["fsdp_max_weight_diff_vs_ddp"] < 1e-5
+
+
+@pytest.mark.parametrize("other", ["plus_one", "one"])
+def test_dcp_checkpoint_loads_at_another_world_size(launched, other, tmp_path):
+    saved = finished(launched["save"], "dcp_save.json")
+    n = saved["world_size"]
+    assert len([f for f in saved["files"] if f.endswith(".distcp")]) == n
+    nproc = n + 1 if other == "plus_one" else 1
+    run = launch.start(SCRIPTS / "beyond_dcp.py", cpu=True, nproc=nproc,
+                       args=["--load", str(launched["ckpt"])], run_dir=tmp_path / "load", timeout=300)
+    loaded = finished(run, "dcp_load.json")
+    assert loaded["world_size"] == nproc
+    assert loaded["max_diff_before_load"] > 1e-3
+    assert loaded["max_diff_vs_saved"] == 0.0
+    assert all(s == 3 for s in loaded["adam_steps_restored"])
