@@ -11,6 +11,7 @@ prints. Messages (pickled tuples):
 """
 import ast
 import builtins
+import io
 import linecache
 import os
 import signal
@@ -52,11 +53,13 @@ class Channel:
             self.conn.send(msg)
 
 
-class Stream:
+class Stream(io.TextIOBase):
     """sys.stdout / sys.stderr of a rank: during a cell, whole lines go to the kernel as
-    they are printed; between cells (a thread still printing) to the rank's log file."""
+    they are printed; between cells (a thread still printing) to the rank's log file.
+    What bypasses Python (a subprocess, C code writing to fd 1) goes to the log file too."""
 
     def __init__(self, channel, name, fallback):
+        super().__init__()
         self.channel, self.name, self.fallback = channel, name, fallback
         self.buffer = ""
         self.lock = threading.Lock()
@@ -81,6 +84,12 @@ class Stream:
 
     def isatty(self):
         return False
+
+    def writable(self):
+        return True
+
+    def fileno(self):
+        return self.fallback.fileno()
 
     @property
     def encoding(self):
