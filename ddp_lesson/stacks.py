@@ -35,7 +35,8 @@ def where(run_dir, nproc):
         if not frames:
             continue
         script = next(((f, n) for f, n, _ in frames if f.endswith("script.py")), None)
-        dist = [fn for f, _, fn in frames if "torch/distributed" in f.replace("\\", "/")]
+        dist = [fn for f, _, fn in frames if "torch/distributed" in f.replace("\\", "/")
+                and fn not in ("wrapper", "inner", "_fn")]  # decorators say nothing
         outer = dist[-1] if dist else None  # the call the script made into torch.distributed
         state = "busy" if not dist else ("init" if any(fn in INIT for fn in dist) else "collective")
         at = f"script.py line {script[1]}" if script else frames[0][0].rsplit("/", 1)[-1]
