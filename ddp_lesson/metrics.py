@@ -1,15 +1,44 @@
 """Script side: one JSON line per call in metrics/rank<R>.jsonl of the run directory.
 
     from ddp_lesson import metrics
-    metrics.log(step, loss=loss.item(), accuracy=acc)
+    metrics.log(step, loss=loss, train_accuracy=acc)
 
 Cheap enough for every step (one small write, flushed). Outside the launcher
 (DDP_LESSON_RUN_DIR unset, e.g. plain torchrun) it does nothing.
+
+One vocabulary for every script (plots take their axis labels from LABELS):
+- `loss`            this rank's training loss on its batch, every step
+- `train_accuracy`  this rank's accuracy on its training batch, every step (tiny batches
+                    make it jagged; plots smooth per-step curves)
+- `test_accuracy`   accuracy over the whole test set, counted over all ranks, with
+                    `test_samples` (the samples counted) once per evaluation
+- `compute_s`, `wait_s`, `data_s`, `mem_mb`  where a step's time and memory go (StepTimer)
+- `samples_per_s`, `epoch_s`, `lr`, `step_ms`  as their names say
+
+StepTimer splits each training step of this rank into
+- `data_s`: waiting for the next batch from the loader (timed around its `next()`),
+- `wait_s`: blocked in the gradient all-reduce: from the moment this rank launched its last
+  gradient bucket (its backward is done) until all its buckets' all-reduces completed. A
+  DDP communication hook does the same averaging as DDP's default and notes those two times
+  (on GPUs as CUDA events on the streams). A fast rank waits here for a slow one, because
+  an all-reduce cannot finish before every rank has joined it.
+- `compute_s`: the rest of the step (forward, backward, optimizer, logging).
+- `mem_mb`: peak CUDA memory of the step on a GPU, the process's resident set on a CPU.
+Collectives outside the gradient all-reduce (e.g. SyncBatchNorm's, in forward) count as
+compute. DDP_LESSON_STEP_TIMES=0 turns the timer off (lap() returns {}), for benchmarks.
 """
 import json
 import math
 import os
 import time
+
+LABELS = {"loss": "training loss (per batch)", "train_accuracy": "training batch accuracy",
+          "test_accuracy": "test accuracy", "test_samples": "test samples counted",
+          "samples_per_s": "samples / s", "compute_s": "compute per step (s)",
+          "wait_s": "waiting in all-reduce per step (s)", "data_s": "data loading per step (s)",
+          "mem_mb": "memory (MB)", "epoch_s": "seconds per epoch", "lr": "learning rate",
+          "step_ms": "ms per step", "step": "step", "time": "seconds since start"}
+TIME_KEYS = ("data_s", "compute_s", "wait_s")  # a step's parts, in the order they happen
 
 _file = None
 
@@ -38,3 +67,96 @@ def log(step, **values):
             v = None  # NaN/inf are not JSON: a diverged loss is written as null
         row[k] = v
     f.write(json.dumps(row, allow_nan=False) + "\n")  # line-buffered: the newline flushes it
+
+
+def _rss_mb():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource  # no /proc (macOS): the peak instead, in bytes there
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class StepTimer:
+    """Where this rank's step time goes (see the module docstring).
+
+        timer = metrics.StepTimer(model)            # model: the DDP-wrapped model
+        for x, y in timer.timed(loader): ...        # data_s: time spent in the loader
+        metrics.log(step, loss=loss, **timer.lap()) # once per optimizer step
+
+    Registers a communication hook on `model`, so call it before the first backward and
+    not together with another comm hook."""
+
+    def __init__(self, model):
+        import torch
+        import torch.distributed as dist
+        self._torch, self._dist = torch, dist
+        self.enabled = os.environ.get("DDP_LESSON_STEP_TIMES", "1") != "0"
+        device = next(model.parameters()).device
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._t = time.perf_counter()
+        self._data = 0.0
+        self._launched = self._done = None   # host times, or CUDA events on a GPU
+        if self.enabled:
+            model.register_comm_hook(None, self._hook)
+
+    def _hook(self, state, bucket):
+        """DDP's default averaging (divide, then all-reduce), with the times noted."""
+        dist = self._dist
+        buf = bucket.buffer()
+        buf.div_(dist.get_world_size())
+        if self.cuda:
+            self._launched = self._torch.cuda.Event(enable_timing=True)
+            self._launched.record()  # on the compute stream: reached when the gradients are
+        else:
+            self._launched = time.perf_counter()
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f):
+            if self.cuda:  # runs on a stream that already waited for the all-reduce
+                self._done = self._torch.cuda.Event(enable_timing=True)
+                self._done.record()
+            else:  # the last of this step's all-reduces to finish
+                self._done = max(self._done or 0.0, time.perf_counter())
+            return f.value()[0]
+        return fut.then(done)
+
+    def timed(self, loader):
+        """Yield the loader's batches, adding the time each took to this step's data_s."""
+        it = iter(loader)
+        self._t = time.perf_counter()  # a new epoch: evaluation time is not a step's
+        while True:
+            t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self._data += time.perf_counter() - t
+            yield batch
+
+    def lap(self):
+        """{data_s, compute_s, wait_s, mem_mb} of the step since the last lap, then restart."""
+        if not self.enabled:
+            return {}
+        wait = 0.0
+        if self._launched is not None and self._done is not None:
+            if self.cuda:
+                self._done.synchronize()
+                wait = self._launched.elapsed_time(self._done) / 1000
+            else:  # the last bucket's launch to the last all-reduce's end, in this step
+                wait = self._done - self._launched
+        if self.cuda:
+            mem = self._torch.cuda.max_memory_allocated(self.device) / 2**20
+            self._torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            mem = _rss_mb()
+        now = time.perf_counter()
+        total = now - self._t
+        wait = min(max(wait, 0.0), total)
+        data = min(self._data, total - wait)
+        out = {"data_s": data, "compute_s": max(total - data - wait, 0.0), "wait_s": wait,
+               "mem_mb": round(mem, 1)}
+        self._t, self._data, self._launched, self._done = now, 0.0, None, None
+        return out

@@ -78,15 +78,16 @@ def main():
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    timer = metrics.StepTimer(model)  # time per step: data / compute / waiting in the all-reduce
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
 
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
-        t0 = t_step = time.perf_counter()
+        t0 = time.perf_counter()
         k, n = args.accum_steps, len(loader)
-        for i, (x, y) in enumerate(loader):
+        for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
             x, y = x.to(device), y.to(device)
             window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
             last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
@@ -102,9 +103,8 @@ def main():
             opt.zero_grad(set_to_none=True)
             step += 1
             acc = (out.argmax(1) == y).float().mean()
-            metrics.log(step, loss=loss, accuracy=acc, lr=sched.get_last_lr()[0],
-                        step_ms=1000 * (time.perf_counter() - t_step), epoch=epoch)
-            t_step = time.perf_counter()
+            metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0],
+                        epoch=epoch, **timer.lap())  # + data_s, compute_s, wait_s, mem_mb
             if rank == 0:  # DDP: only rank 0 draws the progress bar
                 done = (i + 1) * 20 // len(loader)
                 print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "

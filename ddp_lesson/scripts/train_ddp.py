@@ -30,6 +30,8 @@ def parse_args():
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics")
     p.add_argument("--checkpoint", default="", help="save each epoch here and resume from it")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms each step")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="a straggler on purpose")
     return p.parse_args()
 
 
@@ -56,6 +58,8 @@ def main():
     dist.init_process_group("nccl" if use_cuda else "gloo")          # DDP
     rank, world = dist.get_rank(), dist.get_world_size()              # DDP
     local_rank = int(os.environ["LOCAL_RANK"])                        # DDP
+    if args.slow_rank >= world:
+        raise SystemExit(f"--slow-rank {args.slow_rank} does not exist: the ranks are 0..{world - 1}.")
     if use_cuda:
         torch.cuda.set_device(local_rank)                             # DDP
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
@@ -73,6 +77,7 @@ def main():
         model = sync_bn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    timer = metrics.StepTimer(model)  # time per step: data / compute / waiting in the all-reduce
 
     start_epoch, step = 0, 0
     if args.checkpoint and os.path.exists(args.checkpoint):
@@ -86,14 +91,16 @@ def main():
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         t0, seen = time.time(), 0
-        for i, (x, y) in enumerate(loader):
+        for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
             x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(model(x), y)
+            if rank == args.slow_rank:  # a straggler: the other ranks will wait for it in backward
+                time.sleep(args.slow_ms / 1000)
             opt.zero_grad(set_to_none=True)
             loss.backward()  # DDP: gradients are all-reduced (averaged) here
             opt.step()
             step, seen = step + 1, seen + len(x)
-            metrics.log(step, loss=loss.item(), epoch=epoch)
+            metrics.log(step, loss=loss.item(), epoch=epoch, **timer.lap())  # + data/compute/wait_s, mem_mb
             if rank == 0:  # DDP: only rank 0 draws the progress bar
                 done = (i + 1) * 20 // len(loader)
                 print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "
@@ -101,7 +108,7 @@ def main():
         throughput = torch.tensor([seen / (time.time() - t0)], device=device)
         dist.all_reduce(throughput)  # DDP: for the log only: samples/s over all ranks
         acc, test_samples = evaluate(model, test_set, rank, world, device)
-        metrics.log(step, accuracy=acc, test_samples=test_samples, samples_per_s=throughput.item(),
+        metrics.log(step, test_accuracy=acc, test_samples=test_samples, samples_per_s=throughput.item(),
                     epoch=epoch)
         if rank == 0:
             print(f"  test accuracy {acc:.1%}, {throughput.item():.0f} samples/s", flush=True)
@@ -112,6 +119,8 @@ def main():
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)
         dist.barrier()  # DDP: nobody reads the checkpoint before it is written
 
+    if rank == 0 and "DDP_LESSON_RUN_DIR" in os.environ:  # DDP: one writer; the inner model's weights
+        torch.save(model.module.state_dict(), os.path.join(os.environ["DDP_LESSON_RUN_DIR"], "model.pt"))
     dist.destroy_process_group()  # DDP
 
 
