@@ -1,16 +1,22 @@
 """Run directories: make one, read one back (also while it runs), compare several.
 
 Layout (the contract): config.json, script.py, logs/, metrics/rank<R>.jsonl, result.json.
+Lesson scripts also leave model.pt (rank 0's model.module.state_dict()) at the end.
 """
 import codecs
 import json
 import os
 import re
 import secrets
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 DEFAULT_BASE = "runs"
+MODEL_FILE = "model.pt"   # where a lesson script's rank 0 saves the trained weights
+STRAGGLER_FACTOR = 1.3
+TIME_KEYS = ("data_s", "compute_s", "wait_s")   # metrics.TIME_KEYS (script side)
 
 
 def new_run_dir(base=None, name="run"):
@@ -140,8 +146,24 @@ class RunRecord:
         res = self.result or {}
         return {"run": self.name, "status": self.status, "nproc": self.config.get("nproc"),
                 "backend": self.config.get("backend"), "duration_s": res.get("duration_s"),
-                "final_loss": self.last("loss"), "final_accuracy": self.last("accuracy"),
+                "final_loss": self.last("loss"), "final_accuracy": self.last("test_accuracy"),
                 "samples_per_s": self.last("samples_per_s")}
+
+    def stragglers(self, factor=STRAGGLER_FACTOR):
+        """Ranks whose median compute_s per step is above `factor` (1.3) times the median of
+        the other ranks' medians; [] for an even run (or one without compute_s rows)."""
+        return StepTimes().add(self.rows).stragglers(factor)
+
+    def state_dict(self, name=MODEL_FILE):
+        """The weights a lesson script saved at the end of the run (rank 0 writes
+        `model.state_dict()` of the inner model to <run dir>/model.pt), loaded onto the CPU
+        with weights_only=True: `models.SmallCNN().load_state_dict(rec.state_dict())`."""
+        import torch  # here, not at the top: reading metrics must not need torch
+        path = self.path / name
+        if not path.exists():
+            raise FileNotFoundError(f"{self.path} has no {name}: the script saved no model "
+                                    f"(or the run ended before it did).")
+        return torch.load(path, map_location="cpu", weights_only=True)
 
     def __repr__(self):
         return f"RunRecord({str(self.path)!r}, status={self.status!r}, rows={len(self.rows)})"
@@ -149,6 +171,43 @@ class RunRecord:
 
 def load(run_dir):
     return RunRecord(run_dir)
+
+
+class StepTimes:
+    """Per rank, the time split of the last `window` steps (all steps when None), from
+    rows that carry compute_s; rows can be added as they arrive (a live panel)."""
+
+    def __init__(self, window=None):
+        self.window = window
+        self.per_rank = {}   # rank -> {key: deque of values}
+        self.mem_mb = {}     # rank -> the last mem_mb
+
+    def add(self, rows):
+        for r in rows:
+            if r.get("compute_s") is None or r.get("rank") is None:
+                continue
+            keys = self.per_rank.setdefault(r["rank"], {k: deque(maxlen=self.window) for k in TIME_KEYS})
+            for k in TIME_KEYS:
+                keys[k].append(r.get(k) or 0.0)
+            if r.get("mem_mb") is not None:
+                self.mem_mb[r["rank"]] = r["mem_mb"]
+        return self
+
+    def medians(self):
+        """{rank: {"data_s", "compute_s", "wait_s": median seconds per step}}, by rank."""
+        return {rank: {k: statistics.median(v) for k, v in keys.items()}
+                for rank, keys in sorted(self.per_rank.items())}
+
+    def stragglers(self, factor=STRAGGLER_FACTOR):
+        """The rule: a rank is a straggler when its median compute_s per step exceeds
+        `factor` x the median of the other ranks' medians. Needs two ranks or more."""
+        med = {rank: m["compute_s"] for rank, m in self.medians().items()}
+        out = []
+        for rank, m in med.items():
+            others = [v for q, v in med.items() if q != rank]
+            if others and m > factor * statistics.median(others):
+                out.append(rank)
+        return out
 
 
 def compare(run_dirs):
