@@ -145,8 +145,11 @@ def test_hung_collective_times_out_then_restart(world):
     with pytest.raises(RuntimeError, match="cannot run more code.*Restart it"):
         world.run("1")
     t = time.monotonic()
-    world.restart()
+    world.stop()        # a rank blocked in a collective: killed, not waited for
+    took = time.monotonic() - t
     assert not procs.run_processes(old_dir), "the hung world left processes behind"
+    assert took < 10, f"stopping a hung world took {took:.1f} s"
+    world.restart()     # a stopped world starts afresh
     assert world.run_dir != old_dir and world.state == "ready"
     assert [r.value for r in world.run("'x' in dir()")] == ["False"] * n  # a fresh namespace
 
