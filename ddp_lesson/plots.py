@@ -2,7 +2,7 @@
 restart. One function, `draw_metric`, draws metric rows into axes; the static plots and the
 run panel's live plot both use it.
 
-    plots.plot_run("runs/...")                      # loss and accuracy per rank + mean
+    plots.plot_run("runs/...")                      # loss, test accuracy, time per step
     plots.compare_runs([a, b], metric="loss", labels=["DDP", "DDP + SyncBN"])
     plots.speedup_bars({"1 process": 20.0, "2 processes": 11.0})
 
@@ -12,14 +12,18 @@ drawn off the main thread.
 """
 import io
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from . import metrics as metrics_mod
 from . import runs as runs_mod
 
-LABELS = {"loss": "training loss", "accuracy": "test accuracy", "samples_per_s": "samples / s",
-          "step": "step", "time": "seconds since start"}
+LABELS = dict(metrics_mod.LABELS)  # axis labels come from the scripts' one metric vocabulary
 MAX_RANK_LABELS = 8  # past this many ranks the legend would drown the plot
+DENSE = 30           # a curve with at least this many points per rank is drawn smoothed
+TIME_COLORS = {"data_s": "#8c8c8c", "compute_s": "#1f77b4", "wait_s": "#d62728"}
+TIME_NAMES = {"data_s": "data", "compute_s": "compute", "wait_s": "waiting for others"}
 
 
 def _record(run):
@@ -92,30 +96,49 @@ def _thin(xs, ys, max_points):
     return [xs[i] for i in idx], [ys[i] for i in idx]
 
 
+def smooth(ys, points=None):
+    """Centred moving mean over about 1/20 of the curve (at most 50 points; fewer at the
+    ends), so a per-step curve of tiny batches shows its trend; short curves stay as they are."""
+    n = len(ys)
+    half = (points or max(1, min(50, n // 20))) // 2
+    if half < 1:
+        return list(ys)
+    c = np.concatenate([[0.0], np.cumsum(np.asarray(ys, dtype=float))])
+    i = np.arange(n)
+    lo, hi = np.maximum(i - half, 0), np.minimum(i + half + 1, n)
+    return list((c[hi] - c[lo]) / (hi - lo))
+
+
 def draw_metric(ax, rows, metric, x="step", t0=None, ranks=True, mean=True, label=None,
                 color=None, max_points=1500):
     """Draw one metric into `ax`: a thin line per rank and the mean over ranks (rows, or a
     Series). Returns the number of points. Metrics logged rarely (accuracy once an epoch)
-    get markers so that a single point still shows.
+    get markers so that a single point still shows; curves logged every step (DENSE points
+    or more) are drawn as faint raw lines under the mean smoothed by `smooth`.
 
     Drawing again into the same axes with the same lines only replaces their data (and
     rescales), which keeps a live plot cheap; anything else starts the axes afresh."""
     s = rows if isinstance(rows, Series) else Series(metric, x=x, t0=t0).add(rows)
     per_rank = s.per_rank
     rank_ids = sorted(per_rank, key=lambda r: (r is None, r if r is not None else 0))
+    sparse = max((len(v[0]) for v in per_rank.values()), default=0) < DENSE
     lines = []  # (key, label, xs, ys, kwargs)
-    if ranks and (len(rank_ids) > 1 or not mean):
+    if ranks and (len(rank_ids) > 1 or not mean or not sparse):
         many = len(rank_ids) > MAX_RANK_LABELS
         for i, rank in enumerate(rank_ids):
             name = ("each rank" if i == 0 else None) if many else \
                 (f"rank {rank}" if rank is not None else "reduced")
-            lines.append((rank, name, *per_rank[rank], {"lw": 0.8, "alpha": 0.55}))
+            if not sparse and mean:
+                name = f"{name}, raw" if name and len(rank_ids) > 1 else ("raw" if i == 0 else None)
+            lines.append((rank, name, *per_rank[rank],
+                          {"lw": 0.8, "alpha": 0.55 if sparse else 0.3}))
     mx, my = s.mean() if mean else ([], [])
     if mx:
         name = label or ("mean over ranks" if len(rank_ids) > 1 else f"rank {rank_ids[0]}")
+        if not sparse:
+            my, name = smooth(my), f"{name}, smoothed"
         lines.append(("mean", name, mx, my,
                       {"lw": 1.8, "color": color or ("black" if ranks else None)}))
-    sparse = max((len(v[0]) for v in per_rank.values()), default=0) < 30
     keys = (metric, x, sparse, tuple((k, n) for k, n, *_ in lines))
     cache = getattr(ax, "_ddp_lesson_lines", None)
     if cache and cache[0] == keys:
@@ -141,6 +164,39 @@ def draw_metric(ax, rows, metric, x="step", t0=None, ranks=True, mean=True, labe
     return len(s)
 
 
+def draw_step_times(ax, times, stragglers=None):
+    """Per rank, a stacked horizontal bar of the median step: data / compute / waiting for
+    others (ms), memory at the bar's end, stragglers named. `times`: a runs.StepTimes, or
+    rows. Redraws the axes (a few bars cost little)."""
+    times = times if isinstance(times, runs_mod.StepTimes) else runs_mod.StepTimes().add(times)
+    med = times.medians()
+    slow = set(times.stragglers() if stragglers is None else stragglers)
+    ax.clear()
+    ax.set_xlabel("ms per step (median" + (f" of the last {times.window})" if times.window else ")"))
+    if not med:
+        ax.text(0.5, 0.5, "no compute_s rows yet", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+        return med
+    ranks = list(med)
+    left = [0.0] * len(ranks)
+    for key in runs_mod.TIME_KEYS:
+        widths = [1000 * med[r][key] for r in ranks]
+        ax.barh(range(len(ranks)), widths, left=left, color=TIME_COLORS[key], label=TIME_NAMES[key])
+        left = [a + b for a, b in zip(left, widths)]
+    for i, r in enumerate(ranks):
+        mem = times.mem_mb.get(r)
+        if mem is not None:
+            ax.annotate(f" {mem:.0f} MB", (left[i], i), va="center", fontsize="x-small")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" + (" (slow)" if r in slow else "") for r in ranks])
+    ax.set_ylim(len(ranks) - 0.5, -1.6)  # rank 0 on top, a free row above it for the legend
+    ax.set_xlim(0, max(left) * 1.3 or 1)
+    ax.legend(fontsize="x-small", loc="upper left", ncol=3, handlelength=1, columnspacing=0.8)
+    if slow:
+        ax.set_title(f"straggler: rank {', '.join(map(str, sorted(slow)))}; the others wait",
+                     fontsize="small", color=TIME_COLORS["wait_s"])
+    return med
+
+
 def new_figure(n_axes=1, width=4.2, height=3.0, dpi=100):
     """A pyplot-free figure with `n_axes` side by side; returns (fig, [axes])."""
     fig = Figure(figsize=(width * n_axes, height), dpi=dpi, layout="constrained")
@@ -154,14 +210,18 @@ def present_metrics(rows, metrics):
     return have or list(metrics[:1])
 
 
-def plot_run(run, metrics=("loss", "accuracy"), x="step"):
-    """Figure of one run: each metric per rank and the mean over ranks."""
+def plot_run(run, metrics=("loss", "test_accuracy"), x="step", times=True):
+    """Figure of one run: each metric per rank and the mean over ranks, and (times=True,
+    when the rows have compute_s) where each rank's step time goes."""
     rec = _record(run)
     shown = present_metrics(rec.rows, metrics)
-    fig, axes = new_figure(len(shown))
+    bars = times and any("compute_s" in r for r in rec.rows)
+    fig, axes = new_figure(len(shown) + bars)
     t0 = rec.config.get("start_unix") if x == "time" else None
     for ax, metric in zip(axes, shown):
         draw_metric(ax, rec.rows, metric, x=x, t0=t0)
+    if bars:
+        draw_step_times(axes[-1], rec.rows)
     fig.suptitle(f"{rec.name} ({rec.status}, {rec.config.get('nproc', '?')} process(es))")
     return fig
 
@@ -247,7 +307,9 @@ class LivePlot:
     (which then only swaps line data); it has a fixed layout, because a layout engine
     costs more than the drawing itself, and renders to PNG with Agg, off any thread."""
 
-    def __init__(self, metrics=("loss", "accuracy"), x="step", width=4.6, height=2.9, dpi=80):
+    TIME_WINDOW = 30  # the bars show the median of each rank's last 30 steps
+
+    def __init__(self, metrics=("loss", "test_accuracy"), x="step", width=4.6, height=2.9, dpi=80):
         self.metrics, self.x = tuple(metrics), x
         self.size, self.dpi = (width, height), dpi
         self.reset()
@@ -255,21 +317,29 @@ class LivePlot:
     def reset(self, t0=None):
         """Forget the rows (a new run); t0 is the zero of a time axis."""
         self.series = {m: Series(m, x=self.x, t0=t0) for m in self.metrics}
+        self.times = runs_mod.StepTimes(window=self.TIME_WINDOW)
         self.title = ""   # the figure's title, drawn by the next render()
         self.fig, self.axes, self._shown, self._drawn_title = None, [], None, None
 
     def add(self, rows):
         for s in self.series.values():
             s.add(rows)
+        self.times.add(rows)
 
     def points(self):
         return sum(len(s) for s in self.series.values())
+
+    def stragglers(self):
+        """Ranks slower than the rest over the last TIME_WINDOW steps (runs.StepTimes' rule)."""
+        return self.times.stragglers()
 
     def render(self, title=None):
         """PNG bytes of the current rows (under `title`, which becomes self.title)."""
         if title is not None:
             self.title = title
         shown = [m for m in self.metrics if len(self.series[m])] or list(self.metrics[:1])
+        if self.times.per_rank:
+            shown.append("step times")
         if shown != self._shown:
             w, h = self.size
             self.fig = Figure(figsize=(w * len(shown), h), dpi=self.dpi)
@@ -278,7 +348,10 @@ class LivePlot:
             self.axes = list(self.fig.subplots(1, len(shown), squeeze=False)[0])
             self._shown, self._drawn_title = shown, None
         for ax, metric in zip(self.axes, shown):
-            draw_metric(ax, self.series[metric], metric, x=self.x)
+            if metric == "step times":
+                draw_step_times(ax, self.times)
+            else:
+                draw_metric(ax, self.series[metric], metric, x=self.x)
         if self.title != self._drawn_title:
             self.fig.suptitle(self.title, fontsize="medium")
             self._drawn_title = self.title

@@ -59,7 +59,7 @@ _ = shutil.copy(pathlib.Path(ddp_lesson.__file__).parent / "scripts" / "train_dd
 PANEL_CELL = """\
 from ddp_lesson.widgets import RunPanel, DevicePicker
 panel = RunPanel("work/train.py", options={"epochs": 3}, picker=DevicePicker(),
-                 metrics=("loss", "accuracy"))
+                 metrics=("loss", "test_accuracy"))
 panel
 """
 

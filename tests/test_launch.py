@@ -164,14 +164,14 @@ def test_run_directory_contract(contract_run):
         for row in rows:
             assert row["rank"] == r
             assert start - 1 < row["time"] < time.time()
-            assert isinstance(row["loss"], float) and "accuracy" in row
+            assert isinstance(row["loss"], float) and "test_accuracy" in row
     result = json.loads((d / "result.json").read_text())
     assert result["status"] == "ok" and result["returncode"] == 0
     assert 0 < result["duration_s"] < 120
     assert "failure" not in result
     record = runs.load(d)
     assert record.status == "ok" and record.ranks() == [0, 1]
-    assert record.series("accuracy", rank=1)[-1] == (3, 1.0)
+    assert record.series("test_accuracy", rank=1)[-1] == (3, 1.0)
 
 
 # -- stopping --------------------------------------------------------------------------------
@@ -311,9 +311,9 @@ def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
     log0 = (tmp_run_dir / "logs" / "rank0.stdout.log").read_text()
     assert "resumed from" in log0
     record = runs.load(tmp_run_dir)
-    acc_epochs = {r["epoch"] for r in record.rows if "accuracy" in r}
+    acc_epochs = {r["epoch"] for r in record.rows if "test_accuracy" in r}
     assert acc_epochs == {0, 1, 2}
-    final = [r["accuracy"] for r in record.rows if "accuracy" in r and r["epoch"] == 2]
+    final = [r["test_accuracy"] for r in record.rows if "test_accuracy" in r and r["epoch"] == 2]
     assert final and min(final) > 0.3
 
 

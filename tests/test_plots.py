@@ -31,8 +31,8 @@ def two_rank_rows(steps=5, offset=0.0):
     for s in range(1, steps + 1):
         rows.append({"rank": 0, "step": s, "time": 1000.0 + s, "loss": 2.0 / s + offset})
         rows.append({"rank": 1, "step": s, "time": 1000.0 + s + 0.5, "loss": 4.0 / s + offset})
-    rows.append({"rank": 0, "step": steps, "time": 1000.0 + steps + 1, "accuracy": 0.5})
-    rows.append({"rank": 1, "step": steps, "time": 1000.0 + steps + 1, "accuracy": 0.5})
+    rows.append({"rank": 0, "step": steps, "time": 1000.0 + steps + 1, "test_accuracy": 0.5})
+    rows.append({"rank": 1, "step": steps, "time": 1000.0 + steps + 1, "test_accuracy": 0.5})
     return rows
 
 
@@ -58,7 +58,7 @@ def test_plot_run_draws_each_rank_and_the_mean(tmp_path):
     lines = lines_by_label(loss_ax)
     assert set(lines) == {"rank 0", "rank 1", "mean over ranks"}
     assert list(lines["mean over ranks"].get_ydata()) == pytest.approx([3.0, 1.5, 1.0, 0.75])
-    assert loss_ax.get_xlabel() == "step" and loss_ax.get_ylabel() == "training loss"
+    assert loss_ax.get_xlabel() == "step" and loss_ax.get_ylabel() == "training loss (per batch)"
     assert acc_ax.get_ylabel() == "test accuracy"
     assert loss_ax.get_legend() is not None
     assert any("ok" in t.get_text() for t in fig.texts)   # the title says how the run ended
@@ -67,7 +67,7 @@ def test_plot_run_draws_each_rank_and_the_mean(tmp_path):
 
 def test_plot_run_leaves_out_metrics_nobody_logged(tmp_path):
     rows = [r for r in two_rank_rows(3) if "loss" in r]
-    fig = plots.plot_run(make_run(tmp_path / "a", rows), metrics=("loss", "accuracy"))
+    fig = plots.plot_run(make_run(tmp_path / "a", rows), metrics=("loss", "test_accuracy"))
     assert len(fig.axes) == 1
 
 
@@ -105,14 +105,14 @@ def test_redraw_reuses_lines_and_thins_long_curves():
                    for s in range(41, 5000) for r in (0, 1)]
     plots.draw_metric(ax, more, "loss", max_points=500)
     assert list(ax.get_lines()) == first  # same artists, new data
-    mean = lines_by_label(ax)["mean over ranks"]
+    mean = lines_by_label(ax)["mean over ranks, smoothed"]
     assert len(mean.get_xdata()) <= 501 and mean.get_xdata()[-1] == 4999
 
 
 def test_live_plot_redraw_of_10000_points_is_fast():
     rows = [{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s}
             for s in range(1, 5001) for r in (0, 1)]
-    live = plots.LivePlot(("loss", "accuracy"))
+    live = plots.LivePlot(("loss", "test_accuracy"))
     live.add(rows)
     assert live.points() == 10_000
     live.render("warm-up")

@@ -39,7 +39,7 @@ def fresh_metrics(monkeypatch, tmp_path):
 
 def test_metrics_log_writes_one_json_line_per_call(fresh_metrics):
     t0 = time.time()
-    metrics.log(0, loss=torch.tensor(2.5), accuracy=0.25)
+    metrics.log(0, loss=torch.tensor(2.5), test_accuracy=0.25)
     metrics.log(torch.tensor(1), loss=1.5, note="text")
     lines = (fresh_metrics / "metrics" / "rank1.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
@@ -108,7 +108,7 @@ def make_run(path, rows, result=None):
 def test_run_record_series_summary_and_compare(tmp_path):
     rows = [{"rank": r, "step": s, "time": s + r / 10, "loss": 1.0 / (s + 1) + r} for s in range(3)
             for r in (0, 1)]
-    rows.append({"rank": 0, "step": 2, "time": 9, "accuracy": 0.9, "samples_per_s": 100.0})
+    rows.append({"rank": 0, "step": 2, "time": 9, "test_accuracy": 0.9, "samples_per_s": 100.0})
     a = make_run(tmp_path / "a", rows, {"status": "ok", "returncode": 0, "duration_s": 4.2})
     b = make_run(tmp_path / "b", rows[:2])
     rec = runs.load(a)

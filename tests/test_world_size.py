@@ -19,7 +19,7 @@ TEST_SET_SIZE = len(data.shapes_split(train=False))
 RUNS = {  # name: (script, nproc, args, the key of its test-accuracy row)
     "basic_1": ("ddp_basic.py", 1, TINY, "test_accuracy"),
     "accum_3": ("ddp_accum.py", 3, TINY + ["--accum-steps", "2", "--sync-bn"], "test_accuracy"),
-    "train_3": ("train_ddp.py", 3, ["--epochs", "1", "--batch-size", "256"], "accuracy"),
+    "train_3": ("train_ddp.py", 3, ["--epochs", "1", "--batch-size", "256"], "test_accuracy"),
 }
 
 

@@ -22,7 +22,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 for step in range(args.steps):
     loss = dl.reduce_mean(torch.tensor(float(rank + step)))
-    metrics.log(step, loss=loss, accuracy=0.5 + 0.1 * step)
+    metrics.log(step, loss=loss, test_accuracy=0.5 + 0.1 * step)
 dl.print0(f"world size {dl.world_size()}")
 print("env " + json.dumps({k: os.environ.get(k) for k in
                            ("RANK", "DDP_LESSON_RUN_DIR", "MASTER_PORT", "WORLD_SIZE")}), flush=True)
@@ -30,6 +30,6 @@ if args.gate:
     deadline = time.time() + 60
     while not os.path.exists(args.gate) and time.time() < deadline:
         time.sleep(0.05)
-metrics.log(args.steps, loss=0.0, accuracy=1.0)
+metrics.log(args.steps, loss=0.0, test_accuracy=1.0)
 dist.barrier()
 dist.destroy_process_group()
