@@ -77,6 +77,21 @@ def list_gpus():
     return found if setting is None else _visible(found, setting)
 
 
+def utilisation(indices=None):
+    """[(index, busy %, memory used MiB, memory total MiB)] per GPU from nvidia-smi (physical
+    indices, as in a run's config), [] without GPUs. Never touches CUDA in this process."""
+    rows = _smi(["--query-gpu=index,utilization.gpu,memory.used,memory.total"]) or []
+    out = []
+    for row in rows:
+        try:
+            idx, util, used, total = int(row[0]), float(row[1]), float(row[2]), float(row[3])
+        except (ValueError, IndexError):  # "[N/A]" on some boards
+            continue
+        if indices is None or idx in indices:
+            out.append((idx, util, used, total))
+    return out
+
+
 def cpu_count():
     try:
         return len(os.sched_getaffinity(0))

@@ -5,6 +5,7 @@ RunPanel both show, read from one launch.Run.
     for u in mon.updates():            # one Update per poll; the last has ended=True
         u.rows, u.state, u.text        # new metric rows; "running"/"ok"/...; the status line
         u.log, u.output                # rank 0's log tail; new (rank, stream, text) chunks
+        u.stragglers, u.resources      # slow ranks now; memory per rank, GPU use per device
 
 `FrameClock` says when a live plot should draw its next frame: at most 4 frames per
 second, fewer when a frame is slow to draw (on a small machine the viewer shares cores
@@ -13,13 +14,15 @@ with the ranks it watches), and never more than MAX_FRAME_S apart while points a
 import time
 from dataclasses import dataclass, field
 
-from . import devices, failures
+from . import devices, failures, runs
 
 POLL_S = 0.25          # how often a view reads new rows and logs
 LOG_LINES = 15
 MIN_FRAME_S = 0.25     # at most 4 frames per second
 FRAME_BUDGET = 0.05    # a frame may cost this share of the time between frames
 MAX_FRAME_S = 2.0      # ... but a live plot never waits longer than this
+GPU_POLL_S = 2.0       # nvidia-smi takes ~50 ms: read it at most this often
+TIME_WINDOW = 30       # stragglers are judged on each rank's last 30 steps
 
 
 def where(config):
@@ -47,10 +50,10 @@ def result_text(run):
     status = res["status"]
     if status == "ok":
         bits = []
-        for key, fmt in (("loss", "{:.3f}"), ("accuracy", "{:.1%}")):
+        for key, fmt in (("loss", "{:.3f}"), ("test_accuracy", "{:.1%}")):
             vals = [r[key] for r in run.rows if key in r]
             if vals:
-                bits.append(f"{key} {fmt.format(vals[-1])}")
+                bits.append(f"{key.replace('_', ' ')} {fmt.format(vals[-1])}")
         tail = (", " + ", ".join(bits)) if bits else ""
         return f"Finished ok in {res['duration_s']:.1f} s{tail}. Run dir: {run.run_dir}"
     if status == "failed":
@@ -72,6 +75,24 @@ class Update:
     log: str = ""                  # rank 0's stdout tail (with the failure's message once failed)
     output: list = field(default_factory=list)   # new (rank, stream, text) chunks, with output=True
     ended: bool = False
+    stragglers: list = field(default_factory=list)  # ranks slower than the rest (runs.StepTimes' rule)
+    resources: str = ""            # memory per rank; on GPUs, use and memory per device
+
+
+def resources_text(times, stragglers, gpus=()):
+    """One line: who is slow, each rank's memory, each GPU's use (from devices.utilisation)."""
+    bits = []
+    if stragglers:
+        med = times.medians()
+        fast = [m["wait_s"] for r, m in med.items() if r not in stragglers]
+        waits = f"; the others wait {1000 * sum(fast) / len(fast):.0f} ms per step for it" if fast else ""
+        bits.append(f"Straggler: rank {', '.join(map(str, stragglers))}{waits}.")
+    if times.mem_mb:
+        mem = ", ".join(f"rank {r} {mb:.0f} MB" for r, mb in sorted(times.mem_mb.items()))
+        bits.append(f"Memory: {mem}.")
+    for idx, util, used, total in gpus:
+        bits.append(f"GPU {idx}: {util:.0f}% busy, {used / 1024:.1f}/{total / 1024:.0f} GiB.")
+    return " ".join(bits)
 
 
 class Monitor:
@@ -81,6 +102,17 @@ class Monitor:
         self.run = run
         self.log_lines = log_lines
         self._output = run.output() if output else None
+        self.times = runs.StepTimes(window=TIME_WINDOW)
+        gpus = run.config.get("devices")
+        self._gpus = gpus if isinstance(gpus, list) and gpus else None  # physical indices
+        self._gpu_rows, self._gpu_at = [], -GPU_POLL_S
+
+    def _gpu_use(self, ended):
+        if self._gpus is None or ended:
+            return []
+        if time.monotonic() - self._gpu_at >= GPU_POLL_S:
+            self._gpu_rows, self._gpu_at = devices.utilisation(self._gpus), time.monotonic()
+        return self._gpu_rows
 
     def poll(self):
         run = self.run
@@ -88,11 +120,13 @@ class Monitor:
         rows = run.metrics()
         chunks = self._output.read() if self._output is not None else []
         log = run.log_tail(lines=self.log_lines) if self.log_lines else ""
+        slow = self.times.add(rows).stragglers()
+        extra = {"stragglers": slow, "resources": resources_text(self.times, slow, self._gpu_use(ended))}
         if not ended:
-            return Update(rows, "running", running_text(run), log, chunks)
+            return Update(rows, "running", running_text(run), log, chunks, **extra)
         if run.result["status"] == "failed":
             log = (log + "\n\n" if log else "") + run.result.get("message", "")
-        return Update(rows, run.result["status"], result_text(run), log, chunks, ended=True)
+        return Update(rows, run.result["status"], result_text(run), log, chunks, ended=True, **extra)
 
     def updates(self, interval=POLL_S, timeout=None):
         """Poll every `interval` s until the run ends (the last Update has ended=True) or

@@ -167,7 +167,7 @@ class LiveFrame:
     """The live plot as one display handle (display, then update_display): updated in
     place, drawn only when its FrameClock says a frame is due."""
 
-    def __init__(self, metrics=("loss", "accuracy"), x="step"):
+    def __init__(self, metrics=("loss", "test_accuracy"), x="step"):
         self.live = plots.LivePlot(metrics, x=x)
         self.clock = monitor.FrameClock()
         self.png = None          # the last frame
@@ -200,10 +200,10 @@ class LiveFrame:
 
 
 class RunPanel:
-    """Run / Stop buttons, options, device picker, status line, log tail and a live plot
-    for one training script: a view over a monitor.Monitor of its latest run."""
+    """Run / Stop, options, device picker, status, log tail, live plot and step-time bars for
+    one training script: a view over a monitor.Monitor of its latest run."""
 
-    def __init__(self, script, options=None, picker=None, metrics=("loss", "accuracy"),
+    def __init__(self, script, options=None, picker=None, metrics=("loss", "test_accuracy"),
                  x="step", label=None, run_dir=None, runs_base=None, timeout=None,
                  extra_args=()):
         self.script, self.options = Path(script), dict(options or {})
@@ -213,20 +213,19 @@ class RunPanel:
         # runs: run directories launched here, oldest first; error: the last bad input's sentence
         self.last_run, self.runs, self.error = None, [], None
         self.plot = LiveFrame(metrics, x=x)
-        self.status, self.status_text, self.log_text = "idle", "", ""
-        self._monitor, self._waiting = None, False
+        self.status, self.status_text, self.log_text, self._monitor, self._waiting = "idle", "", "", None, False
         self._lock = threading.RLock()   # one poll (and draw) at a time: thread or wait()
         self.inputs = {name: _option_widget(name, value) for name, value in self.options.items()}
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: threading.Thread(target=self.stop, daemon=True).start())
-        self.status_html, self.log_html = W.HTML(), W.HTML()
+        self.status_html, self.log_html, self.resources_html = W.HTML(), W.HTML(), W.HTML()
         self.widget = W.VBox([
             W.HTML(f"<b>{html.escape(self.script.name)}</b>"),
             W.HBox(list(self.inputs.values()), layout=W.Layout(flex_flow="row wrap")),
             self.picker.widget, W.HBox([self.run_button, self.stop_button]),
-            self.status_html, self.log_html])
+            self.status_html, self.resources_html, self.log_html])
         self._set_status("idle", "Press Run to start.")
 
     frames = property(lambda self: self.plot.clock.frames, doc="plot frames drawn so far")
@@ -323,6 +322,7 @@ class RunPanel:
             u = self._monitor.poll()
             try:
                 self._set_log(u.log)
+                self.resources_html.value = html.escape(u.resources)  # who is slow, memory, GPU use
                 self.plot.update(u.rows, monitor.title(run), final=u.ended)
             finally:  # whatever the plot did, the buttons and status must be right
                 self._set_status(u.state, u.text)

@@ -1,0 +1,107 @@
+"""Where each rank's step time goes (metrics.StepTimer), stragglers, the panel's bars and
+the trained model coming back (runs.load(...).state_dict()).
+
+The real run: train_ddp.py on 2 CPU ranks with rank 1 sleeping 40 ms per step inside its
+compute. Rank 0 then waits for it in the gradient all-reduce every step: rank 0's median
+wait_s exceeds rank 1's by about 40 ms, whatever the machine's load (a structural effect),
+and the test asks for at least 20 ms.
+"""
+import statistics
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ddp_lesson import data, metrics, models, monitor, plots, runs
+from ddp_lesson.widgets import DevicePicker, RunPanel
+
+from conftest import REPO
+
+TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
+
+
+def timed_rows(compute_ms, steps=12):
+    """Rows of an imagined run: rank r computes compute_ms[r] ms per step."""
+    slowest = max(compute_ms)
+    return [{"rank": r, "step": s, "time": 1000.0 + s, "data_s": 0.001, "compute_s": c / 1000,
+             "wait_s": (slowest - c) / 1000, "mem_mb": 300.0 + r}
+            for s in range(1, steps + 1) for r, c in enumerate(compute_ms)]
+
+
+@pytest.mark.parametrize("compute_ms, slow", [
+    ([50, 50], []), ([50, 52, 48], []), ([50, 90], [1]), ([90, 50, 50, 50], [0]),
+    ([50, 64, 50], []),      # 1.28x the others: under the 1.3x rule
+    ([50], []),              # one rank has nobody to be slower than
+])
+def test_straggler_rule(compute_ms, slow):
+    assert runs.StepTimes().add(timed_rows(compute_ms)).stragglers() == slow
+
+
+def test_straggler_rule_on_medians_and_rows_without_times():
+    rows = timed_rows([50, 50], steps=9)
+    rows += [{"rank": 1, "step": 10, "time": 2000.0, "compute_s": 5.0}]   # one slow step
+    rows += [{"rank": 0, "step": 10, "time": 2000.0, "loss": 1.0}]        # no time split
+    assert runs.StepTimes().add(rows).stragglers() == []
+    assert runs.StepTimes(window=1).add(rows).stragglers() == [1]     # a window of 1 step
+
+
+def test_bars_and_panel_text_name_the_straggler():
+    times = runs.StepTimes(window=30).add(timed_rows([50, 90, 50]))
+    fig, (ax,) = plots.new_figure(1)
+    med = plots.draw_step_times(ax, times)
+    assert med[1]["compute_s"] == pytest.approx(0.090) and med[0]["wait_s"] == pytest.approx(0.040)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["rank 0", "rank 1 (slow)", "rank 2"]
+    assert "straggler: rank 1" in ax.get_title()
+    assert {t.get_text() for t in ax.texts} == {" 300 MB", " 301 MB", " 302 MB"}
+    text = monitor.resources_text(times, [1], gpus=[(0, 97.0, 2048.0, 81920.0)])
+    assert text == ("Straggler: rank 1; the others wait 40 ms per step for it. "
+                    "Memory: rank 0 300 MB, rank 1 301 MB, rank 2 302 MB. GPU 0: 97% busy, 2.0/80 GiB.")
+
+
+def test_labels_come_from_the_vocabulary_and_dense_curves_are_smoothed():
+    assert plots.LABELS["train_accuracy"] == metrics.LABELS["train_accuracy"] != plots.LABELS["test_accuracy"]
+    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "train_accuracy": float((s + r) % 2)}
+            for s in range(1, 201) for r in (0, 1)]   # the jagged 0/1 band of tiny batches
+    fig, (ax,) = plots.new_figure(1)
+    plots.draw_metric(ax, rows, "train_accuracy")
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"rank 0, raw", "rank 1, raw", "mean over ranks, smoothed"}
+    assert ax.get_ylabel() == "training batch accuracy"
+    assert all(line.get_alpha() < 0.5 for name, line in lines.items() if "raw" in name)
+    smoothed = lines["mean over ranks, smoothed"].get_ydata()
+    assert max(smoothed) - min(smoothed) < 0.1   # the raw mean is already 0.5; smoothing keeps it
+    assert plots.smooth([0.0, 1.0] * 50, points=10) == pytest.approx([0.5] * 100, abs=0.1)
+
+
+def evaluate(model, test_set):
+    model.eval()
+    with torch.no_grad():
+        right = sum((model(x).argmax(1) == y).sum().item() for x, y in DataLoader(test_set, batch_size=512))
+    return right / len(test_set)
+
+
+def test_slow_rank_makes_the_others_wait_and_the_model_comes_back(tmp_path):
+    args = ["--slow-rank", "1", "--slow-ms", "40"]
+    panel = RunPanel(TRAIN, options={"epochs": 1, "batch-size": 256}, picker=DevicePicker(gpus=[], nproc=2),
+                     runs_base=tmp_path, extra_args=args)
+    assert panel.run() is not None
+    result = panel.wait(timeout=300)
+    assert result is not None and result["status"] == "ok", result
+    rec = runs.load(panel.run_dir)
+    world = rec.config["world_size"]
+    assert rec.ranks() == list(range(world)) == [0, 1]
+    steps = [r for r in rec.rows if "compute_s" in r]
+    assert steps and all(r["compute_s"] >= 0 and r["wait_s"] >= 0 and r["data_s"] >= 0 and r["mem_mb"] > 0
+                         for r in steps)
+    wait = {k: statistics.median(r["wait_s"] for r in steps if r["rank"] == k) for k in range(world)}
+    assert wait[0] - wait[1] >= 0.020, wait
+    assert rec.stragglers() == [1]
+    assert panel.plot.live.stragglers() == [1]                  # the bars say so ...
+    assert "Straggler: rank 1" in panel.resources_html.value     # ... and the line under the status
+    # the trained model comes back into this process and scores as the run said
+    model = models.SmallCNN()
+    model.load_state_dict(rec.state_dict())
+    acc = evaluate(model, data.get("shapes", train=False))
+    logged = rec.last("test_accuracy", rank=0)
+    assert acc > 0.3 and abs(acc - logged) < 0.05, (acc, logged)
