@@ -6,7 +6,7 @@ Each rank logs its own loss every step. After backward, the loss is all-reduced 
 ONLY (DDP already averaged the gradients; the loss that went into backward is untouched).
 Accuracy: each rank counts correct answers and samples; the counts are summed over ranks,
 then divided. The seed's way (divide by the padded DistributedSampler total_size) is logged
-beside it as accuracy_padded, to compare.
+beside it as test_accuracy_padded, to compare.
 """
 import argparse
 import os
@@ -103,8 +103,8 @@ def main():
     accuracy_padded = padded_counts[0].item() / padded.total_size
 
     if rank == 0:
-        metrics.log(step, accuracy=correct / total, correct=int(correct), total=int(total),
-                    accuracy_padded=accuracy_padded, padded_total=padded.total_size)
+        metrics.log(step, test_accuracy=correct / total, test_samples=int(total), correct=int(correct),
+                    total=int(total), test_accuracy_padded=accuracy_padded, padded_total=padded.total_size)
         print(f"test accuracy {correct / total:.4f} ({int(correct)}/{int(total)}); "
               f"seed's padded way {accuracy_padded:.4f} over {padded.total_size}", flush=True)
         run_dir = os.environ.get("DDP_LESSON_RUN_DIR")
