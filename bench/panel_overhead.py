@@ -5,6 +5,10 @@ A B B A (twice) so that a drift in machine load hits both alike. Prints the thro
 
     python bench/panel_overhead.py            # 2 epochs, A B B A A B B A
     python bench/panel_overhead.py --quick    # 1 epoch, A B (for CI)
+    python bench/panel_overhead.py --timing   # instead: the step-time fields off (A) / on (B)
+
+--timing compares train_ddp.py with metrics.StepTimer off (DDP_LESSON_STEP_TIMES=0: no comm
+hook, no data/compute/wait/memory fields) and on, same order, no panel (goal: within 2%).
 
 Throughput is the samples/s the script logs per epoch (summed over ranks), which leaves
 out process start-up; the wall time of each run is printed too. On a shared machine both
@@ -33,8 +37,8 @@ def throughput(rows):
     return statistics.mean(vals) if vals else float("nan")
 
 
-def plain_run(args, base):
-    run = launch.start(SCRIPT, nproc=2, args=args, run_dir=Path(base) / f"plain-{time.time_ns()}")
+def plain_run(args, base, env=None):
+    run = launch.start(SCRIPT, nproc=2, args=args, run_dir=Path(base) / f"plain-{time.time_ns()}", env=env)
     result = run.wait()
     run.metrics()
     return result, run.rows, None
@@ -49,9 +53,10 @@ def panel_run(args, base):
 
 
 def redraw_ms(points=10_000, repeats=5):
-    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s}
+    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s, "data_s": 0.001,
+             "compute_s": 0.05 + 0.04 * r, "wait_s": 0.04 * (1 - r), "mem_mb": 700.0}
             for s in range(1, points // 2 + 1) for r in (0, 1)]
-    live = plots.LivePlot(("loss", "accuracy"))
+    live = plots.LivePlot(("loss", "test_accuracy"))   # + the step-time bars
     live.add(rows)
     live.render("warm-up")  # the first frame builds the figure
     times = []
@@ -66,18 +71,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 epoch, one pair of runs")
     ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--timing", action="store_true", help="step-time fields off (A) vs on (B), no panel")
     opts = ap.parse_args()
     epochs = opts.epochs or (1 if opts.quick else 2)
     order = "AB" if opts.quick else "ABBAABBA"
     args = ["--epochs", str(epochs)]
     base = tempfile.mkdtemp(prefix="panel-bench-")
-    print(f"panel overhead: train_ddp.py --epochs {epochs} on 2 CPU ranks, order {' '.join(order)}"
-          f" (A without panel, B with)", flush=True)
+    what = "A step times off, B on" if opts.timing else "A without panel, B with"
+    print(f"{'step-time' if opts.timing else 'panel'} overhead: train_ddp.py --epochs {epochs} on 2 CPU"
+          f" ranks, order {' '.join(order)} ({what})", flush=True)
+    runners = {"A": lambda: plain_run(args, base, env={"DDP_LESSON_STEP_TIMES": "0"}),
+               "B": lambda: plain_run(args, base)} if opts.timing else \
+        {"A": lambda: plain_run(args, base), "B": lambda: panel_run(args, base)}
     got = {"A": [], "B": []}
     try:
         for which in order:
             cpu0, t0 = time.process_time(), time.monotonic()
-            result, rows, panel = (plain_run if which == "A" else panel_run)(args, base)
+            result, rows, panel = runners[which]()
             cpu = (time.process_time() - cpu0) / (time.monotonic() - t0)
             if result["status"] != "ok":
                 print(f"  run {which} ended {result['status']}: {result.get('message', '')}")
@@ -93,6 +103,10 @@ def main():
     a, wall_a, cpu_a = (statistics.median(v) for v in zip(*got["A"]))
     b, wall_b, cpu_b = (statistics.median(v) for v in zip(*got["B"]))
     ratio = b / a
+    if opts.timing:
+        print(f"throughput ratio with/without step times: {ratio:.3f} "
+              f"({'within' if ratio >= 0.98 else 'OUTSIDE'} the 2% goal); wall time ratio {wall_b / wall_a:.3f}")
+        return 0
     print(f"throughput ratio with/without panel: {ratio:.3f} "
           f"({'within' if ratio >= 0.95 else 'OUTSIDE'} the 5% goal); "
           f"wall time ratio {wall_b / wall_a:.3f}")
