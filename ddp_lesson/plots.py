@@ -43,7 +43,7 @@ class Series:
     def __init__(self, metric, x="step", t0=None):
         self.metric, self.x, self.t0 = metric, x, t0
         self.per_rank = {}   # rank -> ([x], [y])
-        self._steps = {}     # step -> [sum x, sum y, count]
+        self._steps = runs_mod.PerStep()
 
     def add(self, rows):
         metric, x = self.metric, self.x
@@ -60,18 +60,12 @@ class Series:
             xs, ys = self.per_rank.setdefault(r.get("rank"), ([], []))
             xs.append(xv)
             ys.append(y)
-            acc = self._steps.get(step)
-            if acc is None:
-                self._steps[step] = [xv, y, 1]
-            else:
-                acc[0] += xv
-                acc[1] += y
-                acc[2] += 1
+            self._steps.add(step, y, x=xv)
         return self
 
     def mean(self):
-        out = [(sx / n, sy / n) for _, (sx, sy, n) in sorted(self._steps.items())]
-        return [p[0] for p in out], [p[1] for p in out]
+        _, xs, ys = self._steps.reduce("mean")
+        return xs, ys
 
     def __len__(self):
         return sum(len(v[0]) for v in self.per_rank.values())

@@ -129,11 +129,10 @@ class RunRecord:
         rows = [r for r in self.rows if key in r]
         if rank is not None:
             return [(r["step"], r[key]) for r in rows if r.get("rank") == rank]
-        by_step = {}
+        per_step = PerStep()
         for r in rows:
-            by_step.setdefault(r["step"], []).append(r[key])
-        agg = (lambda v: sum(v)) if reduce == "sum" else (lambda v: sum(v) / len(v))
-        return [(s, agg(v)) for s, v in sorted(by_step.items())]
+            per_step.add(r["step"], r[key])
+        return list(zip(*per_step.reduce(reduce or "mean")[::2]))
 
     def ranks(self):
         return sorted({r["rank"] for r in self.rows if "rank" in r})
@@ -167,6 +166,28 @@ class RunRecord:
 
     def __repr__(self):
         return f"RunRecord({str(self.path)!r}, status={self.status!r}, rows={len(self.rows)})"
+
+
+class PerStep:
+    """One metric reduced over ranks per step, built as rows arrive (live plots add rows
+    each frame). Each step also carries an x (a time, say), averaged over the ranks."""
+
+    def __init__(self):
+        self._sums = {}      # step -> [sum x, sum y, count]
+
+    def add(self, step, y, x=None):
+        acc = self._sums.setdefault(step, [0.0, 0.0, 0])
+        acc[0] += step if x is None else x
+        acc[1] += y
+        acc[2] += 1
+
+    def reduce(self, how="mean"):
+        """([step], [mean x], [mean y or sum y]) in step order."""
+        items = sorted(self._sums.items())
+        steps = [s for s, _ in items]
+        xs = [sx / n for _, (sx, _, n) in items]
+        ys = [sy if how == "sum" else sy / n for _, (_, sy, n) in items]
+        return steps, xs, ys
 
 
 def load(run_dir):

@@ -212,14 +212,14 @@ def test_script_runs_under_plain_torchrun(tmp_path):
 
 def test_killed_rank_wins_even_when_torchrun_names_a_torn_down_peer(tmp_path):
     """torchrun's 'first observed failure' compares whole seconds: seen here, it named
-    rank 0 (torn down with -15 after its all_reduce failed) instead of rank 1 (SIGKILL)."""
+    rank 0 (torn down with -15 after its all_reduce failed) instead of rank 1 (SIGKILL).
+    Its structured record has both in the same second; the SIGKILLed rank is the cause."""
     logs = tmp_path / "logs"
     logs.mkdir()
     error_file(logs, 0, 10.5, "RuntimeError: Connection closed by peer")
-    (logs / "agent.log").write_text(
-        "ChildFailedError:\n============\nscript.py FAILED\n------------\nFailures:\n[1]:\n"
-        "  time      : 2026-01-01_00:00:00\n  host      : localhost\n"
-        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 99)\n  error_file: <N/A>\n"
-        "------------\n" + AGENT_LOG.format(rank=0, code=-15))
+    runs.write_json(logs / "rank0.error.json", dict(runs.read_json(logs / "rank0.error.json"), pid=100))
+    runs.write_json(logs / "agent.failures.json", {"failures": [
+        {"rank": 0, "pid": 100, "exitcode": -15, "timestamp": 10},
+        {"rank": 1, "pid": 101, "exitcode": -9, "timestamp": 10}]})
     f = failures.root_cause(tmp_path)
     assert (f["rank"], f["exitcode"]) == (1, -9), f
