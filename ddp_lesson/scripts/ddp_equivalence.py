@@ -54,7 +54,10 @@ def main():
         ref_opt.zero_grad()
         F.cross_entropy(reference(x), y).backward()
         ref_opt.step()
-        ok = all(torch.allclose(a, b) for a, b in zip(ddp.module.parameters(), reference.parameters()))
+        # float32 rounding differs ((g0+g1)/2 vs one mean over the batch): ~1e-8 on weights
+        # of ~0.1; atol 1e-6 still fails for any real difference (a missed all-reduce: ~1e-2)
+        ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                 for a, b in zip(ddp.module.parameters(), reference.parameters()))
         max_diff.append({"step": step + 1, "allclose": ok,
                          "max_abs_diff": (flat(ddp.module) - flat(reference)).abs().max().item()})
 
