@@ -109,7 +109,7 @@ class StepTimer:
         buf.div_(dist.get_world_size())
         if self.cuda:
             self._launched = self._torch.cuda.Event(enable_timing=True)
-            self._launched.record()  # on the compute stream: reached when the gradients are
+            self._launched.record(self._torch.cuda.current_stream(self.device))  # after the gradients
         else:
             self._launched = time.perf_counter()
         fut = dist.all_reduce(buf, async_op=True).get_future()
@@ -117,7 +117,7 @@ class StepTimer:
         def done(f):
             if self.cuda:  # runs on a stream that already waited for the all-reduce
                 self._done = self._torch.cuda.Event(enable_timing=True)
-                self._done.record()
+                self._done.record(self._torch.cuda.current_stream(self.device))
             else:  # the last of this step's all-reduces to finish
                 self._done = max(self._done or 0.0, time.perf_counter())
             return f.value()[0]
