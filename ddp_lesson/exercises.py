@@ -1,0 +1,97 @@
+"""Checkers for the exercises where a learner edits a DDP script and launches it (03-05).
+
+    run_dir = exercises.attempt("work/ex_set_epoch.py", exercises.check_set_epoch)
+
+Each check_* reads a finished run directory (config.json and the ranks' metrics) and raises
+AssertionError with one sentence saying what is wrong, or returns a line saying what it saw.
+Expectations come from the run's own world size.
+"""
+import math
+from collections import defaultdict
+
+from . import launch, runs
+
+
+def attempt(script, check, nproc=None, timeout=300):
+    """Launch `script` on CPU ranks, wait, run `check` on its run directory and print the
+    verdict. Returns (run_dir, passed)."""
+    run = launch.start(script, nproc=nproc, cpu=True, timeout=timeout)
+    run.wait()
+    try:
+        print("correct!", check(run.run_dir))
+        return run.run_dir, True
+    except AssertionError as e:
+        print("not yet:", e)
+        return run.run_dir, False
+
+
+def _finished(run_dir):
+    rec = runs.load(run_dir)
+    result = runs.read_json(f"{run_dir}/result.json", {})
+    assert result.get("status") == "ok", f"the run ended {result.get('status')}: {result.get('message')}"
+    return rec, rec.config["world_size"]
+
+
+def check_set_epoch(run_dir):
+    """03: every epoch a new order, the same shuffle on every rank (disjoint shards that
+    together cover the data set once per epoch)."""
+    rec, world = _finished(run_dir)
+    order = defaultdict(list)                    # (rank, epoch) -> indices in training order
+    for row in rec.rows:
+        if "indices" in row:
+            order[row["rank"], row["epoch"]].extend(row["indices"])
+    epochs = sorted({e for _, e in order})
+    assert len(epochs) >= 2, "the run logged fewer than 2 epochs of indices"
+    for e in epochs:
+        shards = [order[r, e] for r in range(world)]
+        everything = sorted(i for s in shards for i in s)
+        assert everything == sorted(set(everything)) and len(everything) == sum(map(len, shards)), \
+            f"epoch {e}: some sample was trained on by two ranks (are the shards still DistributedSampler's?)"
+        assert len(set(everything)) == max(everything) + 1, f"epoch {e}: some samples were never used"
+    for r in range(world):
+        for a, b in zip(epochs, epochs[1:]):
+            assert order[r, a] != order[r, b], \
+                f"rank {r} saw the same samples in the same order in epochs {a} and {b}"
+    return f"{world} rank(s), {len(epochs)} epochs, each epoch a new order"
+
+
+def check_syncbn(run_dir):
+    """04: every BN layer synchronised, and the ranks' running statistics agree."""
+    rec, world = _finished(run_dir)
+    last = {row["rank"]: row for row in rec.rows if "running_mean" in row}
+    assert sorted(last) == list(range(world)), "not every rank logged its BatchNorm statistics"
+    types = last[0]["bn_types"]
+    assert types, "the model has no BatchNorm layer left"
+    plain = [t for t in types if "Sync" not in t]
+    assert not plain, f"{len(plain)} of {len(types)} BatchNorm layers are still {plain[0]}: convert them before DDP(...)"
+    worst = 0.0
+    for r in range(1, world):
+        for key in ("running_mean", "running_var"):
+            for a, b in zip(last[0][key], last[r][key]):
+                worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
+    assert worst < 1e-4, f"the ranks' running statistics differ by up to {worst:.3g}"
+    return f"{len(types)} {types[0]} layers, running statistics equal on {world} rank(s) (max diff {worst:.1e})"
+
+
+def check_no_sync(run_dir):
+    """05: exactly one micro-batch per accumulation window all-reduces: the window's last;
+    the weights end equal on every rank."""
+    rec, world = _finished(run_dir)
+    windows = 0
+    for r in range(world):
+        micro = sorted((row["step"], row) for row in rec.rows if row["rank"] == r and "all_reduces" in row)
+        assert micro, f"rank {r} logged no micro-batches"
+        k = micro[0][1]["k"]
+        for start in range(0, len(micro), k):
+            window = [row for _, row in micro[start:start + k]]
+            synced = [row["step"] for row in window if row["all_reduces"] > 0]
+            n = sum(row["all_reduces"] for row in window)
+            assert len(synced) == 1, (f"rank {r}, micro-batches {window[0]['step']}-{window[-1]['step']}: "
+                                      f"{len(synced)} of them all-reduced ({n} all-reduces), not 1")
+            assert synced[0] == window[-1]["step"], \
+                f"rank {r}: the window's all-reduce came at micro-batch {synced[0]}, not at its last one"
+            windows += r == 0
+    sums = {row["rank"]: row["weights_sum"] for row in rec.rows if "weights_sum" in row}
+    assert len(sums) == world and all(math.isclose(s, sums[0], rel_tol=1e-9) for s in sums.values()), \
+        "the ranks' weights differ at the end: every window's gradient must be all-reduced"
+    return f"{windows} windows on each of {world} rank(s), one all-reduce each, at its last micro-batch"
