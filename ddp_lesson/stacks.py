@@ -58,7 +58,7 @@ def timeout_message(timeout, where):
     waiting, joining, busy = names("collective"), names("init"), names("busy")
     if waiting:
         calls = sorted({where[r]["call"] for r in waiting})
-        line = (f": rank(s) {', '.join(map(str, waiting))} waited in {', '.join(calls)} "
+        line = (f": rank(s) {', '.join(map(str, waiting))} waited in the collective {', '.join(calls)} "
                 f"({at(waiting)})")
         others = joining + busy
         return head + line + (f", which {at(others)} never reached." if others else

@@ -315,15 +315,12 @@ def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
     assert acc_epochs == {0, 1, 2}
     final = [r["test_accuracy"] for r in record.rows if "test_accuracy" in r and r["epoch"] == 2]
     assert final and min(final) > 0.3
-
-
-def test_checkpoints_are_atomic_and_loaded_weights_only():
-    """The reference script writes the checkpoint then renames it, and loads it safely."""
-    src = TRAIN.read_text()
-    assert "weights_only=True" in src and "torch.load(" in src
-    save = src.index("torch.save(state, args.checkpoint + \".tmp\")")
-    assert src.index("os.replace(args.checkpoint + \".tmp\", args.checkpoint)") > save
-    assert src.count("torch.save(") == 1
+    # the checkpoint was written to a .tmp and renamed (nothing half-written is left), and it
+    # holds only tensors and numbers: torch.load(weights_only=True) can read it back
+    assert not ckpt.with_name(ckpt.name + ".tmp").exists()
+    import torch
+    state = torch.load(ckpt, weights_only=True)
+    assert state["epoch"] == 2 and "model" in state, sorted(state)
 
 
 # -- issue 10: supervision, identity, run directories -----------------------------------------
