@@ -28,7 +28,8 @@ def main():
     assert sorted(r for r, _, _ in seen) == list(range(world)), seen
     metrics.log(0, local_rank=int(env["LOCAL_RANK"]), group_rank=int(env["GROUP_RANK"]),
                 world_size=world, local_world_size=int(env["LOCAL_WORLD_SIZE"]),
-                host=socket.gethostname(), pid=os.getpid(), all_ranks=seen)
+                host=socket.gethostname(), pid=os.getpid(), all_ranks=seen,
+                agent_pid=os.getppid())  # the torchrun agent that started this rank
     print(" ".join(f"{k}={v}" for k, v in env.items()), f"host={socket.gethostname()}", flush=True)
     dist.destroy_process_group()
 
