@@ -2,12 +2,10 @@
 steps of nn.DataParallel (scatter, replicate, parallel_apply, gather).
 
 Figures are matplotlib.figure.Figure objects (not pyplot), so nothing piles up in pyplot's
-list of open figures; a notebook shows one with `display(fig)` or as a cell's last value.
+list of open figures; a notebook shows one with `ddp_lesson.lesson.show(fig)`.
 """
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-
-from . import plots  # noqa: F401  (registers a PNG formatter so a returned Figure is drawn)
 
 DEVICE_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 

@@ -360,29 +360,3 @@ def to_png(fig, dpi=None):
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
 
-
-def _register_png_formatter():
-    """Let Jupyter show a pyplot-free Figure returned by a cell as a PNG, even where
-    pyplot was never imported (the inline backend registers it only then)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    ip = get_ipython()
-    if ip is None:
-        return
-    fmt = ip.display_formatter.formatters.get("image/png")
-    if fmt is not None and _has_no_printer(fmt):
-        fmt.for_type(Figure, to_png)
-
-
-def _has_no_printer(fmt):
-    try:
-        fmt.lookup_by_type(Figure)
-        return False
-    except KeyError:
-        return True
-
-
-_register_png_formatter()
-
