@@ -99,6 +99,9 @@ def report(m, out=sys.stdout):
               file=out)
     small, large = m["rows"][0], m["rows"][-1]
     print(f"fit: latency alpha = {m['alpha'] * 1e6:.0f} us, bandwidth beta = {m['beta'] / 1e6:.0f} MB/s", file=out)
+    if m["world"] == 1:        # busbw = algbw x 2(N-1)/N: one rank sends nothing
+        print("one rank: the all-reduce sends no bytes, so there is no bus bandwidth to compare", file=out)
+        return
     print(f"ratio: busbw at {human(large['bytes'])} / busbw at {human(small['bytes'])} = "
           f"{large['busbw'] / small['busbw']:.0f}x (small messages are latency-bound)", file=out)
     print(f"ratio: time at {human(large['bytes'])} / time at {human(small['bytes'])} = "
