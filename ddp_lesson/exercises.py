@@ -26,9 +26,8 @@ def attempt(script, check, nproc=None, timeout=300):
 
 
 def _finished(run_dir):
-    rec = runs.load(run_dir)
-    result = runs.read_json(f"{run_dir}/result.json", {})
-    assert result.get("status") == "ok", f"the run ended {result.get('status')}: {result.get('message')}"
+    rec = runs.load(run_dir)     # reads config.json, result.json and the metrics once
+    assert rec.status == "ok", f"the run ended {rec.status}: {(rec.result or {}).get('message')}"
     return rec, rec.config["world_size"]
 
 
