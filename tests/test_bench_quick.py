@@ -9,6 +9,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 MINE = {"allreduce_bandwidth.py", "scaling.py", "ddp_knobs.py"}
+# lines a bench must print, beyond "ratio:" (the live world's bench runs here only, not twice)
+EXPECT = {"world_roundtrip.py": ("ratio: world start / script launch",
+                                 "ratio: script launch / cell round trip")}
 BENCHES = sorted(p for p in (REPO / "bench").glob("*.py") if "--quick" in p.read_text())
 
 
@@ -28,3 +31,5 @@ def test_quick(bench, tmp_path):
     assert out.stdout.strip(), "the bench printed nothing"
     if bench.name in MINE:
         assert "ratio:" in out.stdout, out.stdout
+    for line in EXPECT.get(bench.name, ()):
+        assert line in out.stdout, out.stdout

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env, wait_until
+from conftest import child_env, wait_until
 from ddp_lesson import procs, world as world_mod
 
 
@@ -240,12 +240,3 @@ def test_magics(runs_base):
         assert res.success
     finally:
         w.stop()
-
-
-def test_bench_quick(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "world_roundtrip.py"), "--quick"],
-                         cwd=tmp_path, env=child_env(DDP_LESSON_RUNS=tmp_path / "runs"),
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "ratio: world start / script launch" in out.stdout
-    assert "ratio: script launch / cell round trip" in out.stdout
