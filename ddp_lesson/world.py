@@ -25,7 +25,7 @@ from multiprocessing.connection import Client, Listener, wait as wait_any
 from pathlib import Path
 from typing import Optional
 
-from . import launch
+from . import checks, launch
 from .runs import new_run_dir
 
 RANK_SCRIPT = Path(__file__).with_name("world_rank.py")
@@ -348,15 +348,8 @@ class World:
 
 
 def _check_timeout(timeout):
-    if timeout is None:
-        return None
-    try:
-        value = float(timeout)
-    except (TypeError, ValueError):
-        raise ValueError(f"The timeout must be a number of seconds, got {timeout!r}.") from None
-    if not value > 0:
-        raise ValueError(f"The timeout must be more than 0 seconds, got {timeout!r}.")
-    return value
+    """Seconds, or None; the launcher's one validator (refuses 0, negatives, nan and inf)."""
+    return checks.number("timeout", timeout, 0.001, kind=float, allow_none=True)
 
 
 def _write_private(path, data):
