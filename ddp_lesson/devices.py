@@ -105,9 +105,7 @@ def default_cpu_nproc():
     value = os.environ.get("DDP_LESSON_NPROC", "").strip()
     if not value:
         return max(1, min(CPU_DEFAULT_NPROC, cpu_count()))
-    if not value.isdigit() or int(value) < 1:
-        raise BadInput(f"DDP_LESSON_NPROC must be a whole number of at least 1, got {value!r}.")
-    return int(value)
+    return checks.number("DDP_LESSON_NPROC", value, 1)
 
 
 def backend_for(use_gpus):
