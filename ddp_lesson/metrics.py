@@ -99,20 +99,21 @@ class StepTimer:
         self._t = time.perf_counter()
         self._data = 0.0
         self._launched = self._done = None   # host times, or CUDA events on a GPU
+        self._group = getattr(model, "process_group", None) or dist.group.WORLD  # the group DDP averages over
+        self._world = self._group.size()
         if self.enabled:
             model.register_comm_hook(None, self._hook)
 
     def _hook(self, state, bucket):
         """DDP's default averaging (divide, then all-reduce), with the times noted."""
-        dist = self._dist
         buf = bucket.buffer()
-        buf.div_(dist.get_world_size())
+        buf.div_(self._world)
         if self.cuda:
             self._launched = self._torch.cuda.Event(enable_timing=True)
             self._launched.record(self._torch.cuda.current_stream(self.device))  # after the gradients
         else:
             self._launched = time.perf_counter()
-        fut = dist.all_reduce(buf, async_op=True).get_future()
+        fut = self._dist.all_reduce(buf, group=self._group, async_op=True).get_future()
 
         def done(f):
             if self.cuda:  # runs on a stream that already waited for the all-reduce

@@ -7,6 +7,8 @@ wait_s exceeds rank 1's by about 40 ms, whatever the machine's load (a structura
 and the test asks for at least 20 ms.
 """
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch.utils.data import DataLoader
 from ddp_lesson import data, metrics, models, monitor, plots, runs
 from ddp_lesson.widgets import DevicePicker, RunPanel
 
-from conftest import REPO
+from conftest import REPO, child_env
 
 TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
 
@@ -105,3 +107,55 @@ def test_slow_rank_makes_the_others_wait_and_the_model_comes_back(tmp_path):
     acc = evaluate(model, data.get("shapes", train=False))
     logged = rec.last("test_accuracy", rank=0)
     assert acc > 0.3 and abs(acc - logged) < 0.05, (acc, logged)
+
+
+AVERAGING = """
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddp_lesson import metrics
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # a mismatched collective fails, not hangs
+rank = dist.get_rank()
+pair = dist.new_group([0, 1])       # every rank creates it; only ranks 0 and 1 use it
+
+def same(xs, ys):                   # to float rounding: DDP's built-in reduction rounds differently
+    return all(torch.allclose(x, y, rtol=0, atol=1e-6) for x, y in zip(xs, ys))
+
+def train(timed, group=None):
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
+                process_group=group)
+    timer = metrics.StepTimer(model) if timed else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)     # each rank its own data
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        fields = timer.lap() if timer else {}
+    return [p.detach().clone() for p in model.parameters()], fields
+
+plain, _ = train(False)
+timed, fields = train(True)
+assert same(plain, timed), "the timer's hook averaged differently"
+assert fields["wait_s"] >= 0 and fields["compute_s"] > 0, fields
+if rank < 2:                        # DDP over a sub-group: the hook reduces over that group only
+    plain, _ = train(False, pair)
+    timed, _ = train(True, pair)
+    assert same(plain, timed), "sub-group: averaged differently"
+dist.barrier()
+print(f"rank {rank} same weights")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_step_timer_hook_averages_exactly_like_ddp(write_script, tmp_path):
+    """The timer replaces DDP's all-reduce with its own comm hook: on 3 ranks the weights after
+    3 steps are those of plain DDP (to float rounding), also for DDP over a sub-group of 2 ranks."""
+    script = write_script("averaging.py", AVERAGING)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                        str(script)], env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count("same weights") == 3, p.stdout
