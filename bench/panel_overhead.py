@@ -5,18 +5,26 @@ A B B A (twice) so that a drift in machine load hits both alike. Prints the thro
 
     python bench/panel_overhead.py            # 2 epochs, A B B A A B B A
     python bench/panel_overhead.py --quick    # 1 epoch, A B (for CI)
-    python bench/panel_overhead.py --timing   # instead: the step-time fields off (A) / on (B)
-
---timing compares train_ddp.py with metrics.StepTimer off (DDP_LESSON_STEP_TIMES=0: no comm
-hook, no data/compute/wait/memory fields) and on, same order, no panel (goal: within 2%).
+    python bench/panel_overhead.py --timing [--steps 1500] [--nproc 2] [--quick]
 
 Throughput is the samples/s the script logs per epoch (summed over ranks), which leaves
 out process start-up; the wall time of each run is printed too. On a shared machine both
 swing with other people's load, so the CPU time this process spent watching is printed as
 well: it does not depend on the load, and its share of the machine's cores bounds what
 the panel can take away from the ranks.
+
+--timing: what the step-time fields cost (metrics.StepTimer: its comm hook, the timed
+loader, lap() and the four extra fields in each row; goal: within 2% of throughput). Whole
+runs cannot show 2% on a shared machine: single runs of train_ddp.py with one setting spread
+7,800-10,000 samples/s here. So one launch of 2 ranks builds train_ddp.py's step three times
+(same SmallCNN, shapes data, batch 64, SGD, metrics.log each step): A and A2 without the
+timer, B with it, and runs them step by step in rotating order, so that any change in the
+machine's load hits all three alike. The throughput ratio is mean step time of A over that
+of B; A over A2 compares two identical copies, so it shows how far the bench can be trusted
+in this run. Each ratio is also given over 5 consecutive blocks of steps (their range).
 """
 import argparse
+import itertools
 import shutil
 import statistics
 import sys
@@ -26,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddp_lesson import devices, launch, plots  # noqa: E402
+from ddp_lesson import devices, launch, metrics, plots, runs  # noqa: E402
 from ddp_lesson.widgets import DevicePicker, RunPanel  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "ddp_lesson" / "scripts" / "train_ddp.py"
@@ -37,8 +45,8 @@ def throughput(rows):
     return statistics.mean(vals) if vals else float("nan")
 
 
-def plain_run(args, base, env=None):
-    run = launch.start(SCRIPT, nproc=2, args=args, run_dir=Path(base) / f"plain-{time.time_ns()}", env=env)
+def plain_run(args, base):
+    run = launch.start(SCRIPT, nproc=2, args=args, run_dir=Path(base) / f"plain-{time.time_ns()}")
     result = run.wait()
     run.metrics()
     return result, run.rows, None
@@ -50,6 +58,109 @@ def panel_run(args, base):
     panel.run()
     result = panel.wait()
     return result, panel.last_run.rows, panel
+
+
+def timing_worker(steps):
+    """One rank of --timing: train_ddp.py's step, three copies, taken in turn."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ddp_lesson import data, metrics, models
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    train_set = data.get("shapes", train=True)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=64, sampler=sampler, drop_last=True)
+
+    class Copy:
+        def __init__(self, timed):
+            torch.manual_seed(0)
+            self.model = DDP(models.SmallCNN().to(device), device_ids=[local] if use_cuda else None)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+            self.timer = metrics.StepTimer(self.model) if timed else None
+            self.batches, self.times, self.step = None, [], 0
+
+        def next_batch(self):  # epoch after epoch, through the timer where there is one
+            while True:
+                if self.batches is None:
+                    self.batches = self.timer.timed(loader) if self.timer else iter(loader)
+                try:
+                    return next(self.batches)
+                except StopIteration:
+                    self.batches = None
+
+        def train_step(self):  # as in train_ddp.py
+            t = time.perf_counter()
+            x, y = self.next_batch()
+            x, y = x.to(device), y.to(device)
+            loss = F.cross_entropy(self.model(x), y)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            self.step += 1
+            self.fields = self.timer.lap() if self.timer else {}
+            metrics.log(self.step, loss=loss.item(), epoch=0, **self.fields)
+            self.times.append(time.perf_counter() - t)
+
+    copies = {"A": Copy(False), "A2": Copy(False), "B": Copy(True)}
+    orders = list(itertools.permutations(copies.values()))
+    for n in range(20 + steps):  # the first 20 rounds warm up and are not counted
+        if n == 20:
+            for c in copies.values():
+                c.times.clear()
+        for c in orders[n % len(orders)]:
+            c.train_step()
+    metrics.log(0, kind="step_times", backend=dist.get_backend(), fields=sorted(copies["B"].fields),
+                **{name: c.times for name, c in copies.items()})
+    dist.destroy_process_group()
+
+
+def ratio_line(base, other, blocks=5):
+    """'r (blocks lo-hi)': throughput of `other` over `base`, from mean step times."""
+    whole = statistics.mean(base) / statistics.mean(other)
+    size = len(base) // blocks
+    parts = [statistics.mean(base[i:i + size]) / statistics.mean(other[i:i + size])
+             for i in range(0, size * blocks, size)]
+    return whole, f"{whole:.3f} (5 blocks of {size} steps: {min(parts):.3f}-{max(parts):.3f})"
+
+
+def timing(steps, nproc=2):
+    print(f"step-time overhead: train_ddp.py's step on {nproc} rank(s), {steps} steps each of A and A2 "
+          f"(no timer) and B (StepTimer), taken in turn in one launch", flush=True)
+    base = tempfile.mkdtemp(prefix="timing-bench-")
+    try:
+        run = launch.start(Path(__file__), nproc=nproc, args=["--timing-worker", str(steps)],
+                           run_dir=Path(base) / "run", env={"OMP_NUM_THREADS": 1}, timeout=900)
+        result = run.wait()
+        if result["status"] != "ok":
+            print(f"  run ended {result['status']}: {result.get('message', '')}")
+            return 1
+        row = next(r for r in runs.load(run.run_dir).rows if r.get("kind") == "step_times" and r["rank"] == 0)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    a, a2, b = row["A"], row["A2"], row["B"]
+    if sorted(metrics.TIME_KEYS + ("mem_mb",)) != row["fields"]:
+        print(f"  B's rows carry {row['fields']}, not the step-time fields: is DDP_LESSON_STEP_TIMES=0 set?")
+        return 1
+    for name, t in (("A ", a), ("A2", a2), ("B ", b)):
+        print(f"  {name}: {statistics.mean(t) * 1000:6.2f} ms per step mean, {statistics.median(t) * 1000:6.2f} median")
+    r_b, text_b = ratio_line(a, b)
+    _, text_null = ratio_line(a, a2)
+    print(f"same step twice, no timer (A2 vs A): {text_null}: the bench's resolution in this run")
+    print(f"throughput ratio with/without step times (B vs A): {text_b} "
+          f"({'within' if r_b >= 0.98 else 'OUTSIDE'} the 2% goal) on {row['backend']}")
+    return 0
 
 
 def redraw_ms(points=10_000, repeats=5):
@@ -68,21 +179,24 @@ def redraw_ms(points=10_000, repeats=5):
 
 
 def main():
+    if sys.argv[1:2] == ["--timing-worker"]:
+        return timing_worker(int(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 epoch, one pair of runs")
+    ap.add_argument("--quick", action="store_true", help="1 epoch, one pair of runs (--timing: 150 steps)")
     ap.add_argument("--epochs", type=int, default=None)
-    ap.add_argument("--timing", action="store_true", help="step-time fields off (A) vs on (B), no panel")
+    ap.add_argument("--timing", action="store_true", help="instead: what the step-time fields cost")
+    ap.add_argument("--steps", type=int, default=None, help="--timing: steps of each copy (1500)")
+    ap.add_argument("--nproc", type=int, default=2, help="--timing: ranks (one per GPU where there are GPUs)")
     opts = ap.parse_args()
+    if opts.timing:
+        return timing(opts.steps or (150 if opts.quick else 1500), opts.nproc)
     epochs = opts.epochs or (1 if opts.quick else 2)
     order = "AB" if opts.quick else "ABBAABBA"
     args = ["--epochs", str(epochs)]
     base = tempfile.mkdtemp(prefix="panel-bench-")
-    what = "A step times off, B on" if opts.timing else "A without panel, B with"
-    print(f"{'step-time' if opts.timing else 'panel'} overhead: train_ddp.py --epochs {epochs} on 2 CPU"
-          f" ranks, order {' '.join(order)} ({what})", flush=True)
-    runners = {"A": lambda: plain_run(args, base, env={"DDP_LESSON_STEP_TIMES": "0"}),
-               "B": lambda: plain_run(args, base)} if opts.timing else \
-        {"A": lambda: plain_run(args, base), "B": lambda: panel_run(args, base)}
+    print(f"panel overhead: train_ddp.py --epochs {epochs} on 2 CPU ranks, order {' '.join(order)}"
+          f" (A without panel, B with)", flush=True)
+    runners = {"A": lambda: plain_run(args, base), "B": lambda: panel_run(args, base)}
     got = {"A": [], "B": []}
     try:
         for which in order:
@@ -103,10 +217,6 @@ def main():
     a, wall_a, cpu_a = (statistics.median(v) for v in zip(*got["A"]))
     b, wall_b, cpu_b = (statistics.median(v) for v in zip(*got["B"]))
     ratio = b / a
-    if opts.timing:
-        print(f"throughput ratio with/without step times: {ratio:.3f} "
-              f"({'within' if ratio >= 0.98 else 'OUTSIDE'} the 2% goal); wall time ratio {wall_b / wall_a:.3f}")
-        return 0
     print(f"throughput ratio with/without panel: {ratio:.3f} "
           f"({'within' if ratio >= 0.95 else 'OUTSIDE'} the 5% goal); "
           f"wall time ratio {wall_b / wall_a:.3f}")

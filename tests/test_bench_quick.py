@@ -20,16 +20,34 @@ def test_found_mine():
     assert MINE <= names
 
 
-@pytest.mark.parametrize("bench", BENCHES, ids=[p.stem for p in BENCHES])
-def test_quick(bench, tmp_path):
+def run_bench(bench, tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_LESSON_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env["DDP_LESSON_RUNS"] = str(tmp_path / "runs")  # run directories go to the test's temp folder
-    out = subprocess.run([sys.executable, str(bench), "--quick"], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, str(bench), "--quick", *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, f"{bench.name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.mark.parametrize("bench", BENCHES, ids=[p.stem for p in BENCHES])
+def test_quick(bench, tmp_path):
+    out = run_bench(bench, tmp_path)
     assert out.stdout.strip(), "the bench printed nothing"
     if bench.name in MINE:
         assert "ratio:" in out.stdout, out.stdout
     for line in EXPECT.get(bench.name, ()):
         assert line in out.stdout, out.stdout
+
+
+def test_step_timer_overhead_quick(tmp_path):
+    """--timing: three copies of train_ddp.py's step in one launch; both ratios printed."""
+    out = run_bench(REPO / "bench" / "panel_overhead.py", tmp_path, "--timing").stdout
+    ratios = {}
+    for line in out.splitlines():
+        for key in ("(A2 vs A): ", "(B vs A): "):
+            if key in line:
+                ratios[key] = float(line.split(key)[1].split()[0])
+    assert len(ratios) == 2, out
+    assert all(0.3 < r < 3 for r in ratios.values()), out   # real step times, not zeros or junk
+    assert "150 steps" in out and "on gloo" in out, out

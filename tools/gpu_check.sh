@@ -120,6 +120,8 @@ n = len(data.shapes_split(train=False))
 assert rows and all(r["test_samples"] == n for r in rows), (n, rows)
 print(f"every test sample counted once: {n}")
 EOF
+# what the step-time fields cost on GPUs (CUDA events, a host sync on the last one per step)
+step step_timer_overhead 300 "$PY" bench/panel_overhead.py --timing --steps 300 --nproc "$NGPU"
 
 NB_LIST=${NOTEBOOKS:-}
 for nb in notebooks/0*.ipynb; do
@@ -141,6 +143,8 @@ say ""; say "### syncbn_stats (per-rank batch 4) on GPUs $IDS"
 figures "$WORK/syncbn"
 say ""; say "### ddp_syncbn.py --sync-bn on GPUs $IDS"
 figures "$WORK/lesson"
+say ""; say "### step-time fields (bench/panel_overhead.py --timing --steps 300) on $NGPU GPU(s)"
+say '```'; tail -n 6 "$WORK/step_timer_overhead.log" >>"$REPORT" 2>&1; say '```'
 say ""
 say "Overall: $([ $FAILED -eq 0 ] && echo 'every step passed' || echo 'at least one step FAILED (see the table)')."
 
