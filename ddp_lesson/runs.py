@@ -67,8 +67,9 @@ class _Tail:
                 chunk = f.read(self.MAX_READ)
         except OSError:
             return b""
-        if whole_lines and len(chunk) < self.MAX_READ:  # (a longer "line" is taken as it is)
-            chunk = chunk[:chunk.rfind(b"\n") + 1]
+        end = chunk.rfind(b"\n") + 1
+        if whole_lines and (end or len(chunk) < self.MAX_READ):  # (a longer "line" is taken as it is)
+            chunk = chunk[:end]
         self.offsets[name] = offset + len(chunk)
         return chunk
 
@@ -80,7 +81,7 @@ class _Tail:
 
 
 class MetricsTail(_Tail):
-    """Reads metrics/rank*.jsonl incrementally: each call returns only rows not seen yet
+    """Reads metrics/rank*.jsonl incrementally: each call returns all rows not seen yet
     (complete lines only, so a row being written is picked up next time)."""
 
     def __init__(self, run_dir):
@@ -91,11 +92,13 @@ class MetricsTail(_Tail):
         for name in self._names():
             if not name.endswith(".jsonl"):
                 continue
-            for line in self._new(name, whole_lines=True).splitlines():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    pass
+            # rows are what the caller keeps anyway: read on past MAX_READ until caught up
+            while chunk := self._new(name, whole_lines=True):
+                for line in chunk.splitlines():
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        pass
         rows.sort(key=lambda r: r.get("time", 0))
         return rows
 

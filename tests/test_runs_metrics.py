@@ -74,6 +74,21 @@ def test_metrics_tail_reads_only_complete_new_rows(tmp_path):
     assert tail.read() == []
 
 
+def test_a_run_with_more_rows_than_one_read_comes_back_whole(tmp_path):
+    """Log reads stop at MAX_READ per call; metric rows are read on until caught up, so a
+    long run's last rows (its final test accuracy) are not lost."""
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    n = 3 * runs.MetricsTail.MAX_READ // 60 + 1   # each row is about 60-70 bytes
+    with open(folder / "rank0.jsonl", "w") as f:
+        for s in range(n):
+            f.write(json.dumps({"rank": 0, "step": s, "time": float(s), "loss": 1.0 / (s + 1)}) + "\n")
+        f.write(json.dumps({"rank": 0, "step": n, "time": float(n), "test_accuracy": 0.9}) + "\n")
+    assert (folder / "rank0.jsonl").stat().st_size > 3 * runs.MetricsTail.MAX_READ
+    rows = runs.load_metrics(tmp_path)           # what runs.load(run_dir).rows holds
+    assert len(rows) == n + 1 and rows[-1]["test_accuracy"] == 0.9
+
+
 def test_log_tail_and_tail_text(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
