@@ -69,13 +69,22 @@ def log(step, **values):
     f.write(json.dumps(row, allow_nan=False) + "\n")  # line-buffered: the newline flushes it
 
 
+_statm = None
+
+
 def _rss_mb():
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
+    global _statm
+    try:  # the file stays open: pread regenerates it, at a tenth of an open() per step
+        if _statm is None:
+            _statm = os.open("/proc/self/statm", os.O_RDONLY)
+        return int(os.pread(_statm, 100, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
         import resource  # no /proc (macOS): the peak instead, in bytes there
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _first(fut):
+    return fut.value()[0]  # an all-reduce's result is [tensor]; DDP wants the tensor
 
 
 class StepTimer:
@@ -99,6 +108,7 @@ class StepTimer:
         self._t = time.perf_counter()
         self._data = 0.0
         self._launched = self._done = None   # host times, or CUDA events on a GPU
+        self._works = []                      # this step's all-reduces still running (CPU)
         self._group = getattr(model, "process_group", None) or dist.group.WORLD  # the group DDP averages over
         self._world = self._group.size()
         if self.enabled:
@@ -109,18 +119,31 @@ class StepTimer:
         buf = bucket.buffer()
         buf.div_(self._world)
         if self.cuda:
-            self._launched = self._torch.cuda.Event(enable_timing=True)
-            self._launched.record(self._torch.cuda.current_stream(self.device))  # after the gradients
-        else:
-            self._launched = time.perf_counter()
+            return self._hook_cuda(buf)
+        work = self._dist.all_reduce(buf, group=self._group, async_op=True)
+        if not bucket.is_last():  # DDP launches buckets in order: backward is still running
+            self._works.append(work)
+            return work.get_future().then(_first)
+        # the last bucket: backward is done, and DDP would now wait for every all-reduce of
+        # the step. Waiting here instead is the same, and cheaper than a callback per bucket.
+        self._launched = time.perf_counter()
+        for w in self._works:
+            w.wait()
+        work.wait()
+        self._done, self._works = time.perf_counter(), []
+        fut = self._torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def _hook_cuda(self, buf):
+        torch = self._torch
+        self._launched = torch.cuda.Event(enable_timing=True)
+        self._launched.record(torch.cuda.current_stream(self.device))  # after the gradients
         fut = self._dist.all_reduce(buf, group=self._group, async_op=True).get_future()
 
-        def done(f):
-            if self.cuda:  # runs on a stream that already waited for the all-reduce
-                self._done = self._torch.cuda.Event(enable_timing=True)
-                self._done.record(self._torch.cuda.current_stream(self.device))
-            else:  # the last of this step's all-reduces to finish
-                self._done = max(self._done or 0.0, time.perf_counter())
+        def done(f):  # runs on a stream that already waited for the all-reduce
+            self._done = torch.cuda.Event(enable_timing=True)
+            self._done.record(torch.cuda.current_stream(self.device))
             return f.value()[0]
         return fut.then(done)
 
