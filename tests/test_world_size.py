@@ -100,3 +100,16 @@ def test_lesson_scripts_share_one_evaluate():
         src = (SCRIPTS / name).read_text()
         return src[src.index("def evaluate("):src.index("@record")]
     assert evaluate_of("ddp_basic.py") == evaluate_of("ddp_syncbn.py") == evaluate_of("ddp_accum.py")
+
+
+def test_seed_unet_split_checks_hold_where_the_sampler_pads(tmp_path):
+    """Notebook 07g at 4 ranks: 102 training samples need 2 repeats to make equal shards. The
+    seeded split still puts every training sample on exactly one rank (besides those repeats);
+    the seed's unseeded split does not, and the un-wrapped copies drift apart."""
+    run = launch.start(SCRIPTS / "seed_unet.py", nproc=4, cpu=True, run_dir=tmp_path / "r", timeout=120)
+    assert run.wait()["status"] == "ok", run.result
+    unet = json.loads((run.run_dir / "seed_unet.json").read_text())
+    assert unet["world_size"] == 4 and unet["padding"] == 2
+    assert unet["seeded_shards_disjoint"] and unet["seeded_train_in_other_valid"] == 0
+    assert not unet["unseeded_shards_disjoint"] and unet["unseeded_train_in_other_valid"] > 0
+    assert unet["ddp_max_weight_diff"] == 0 < unet["no_ddp_max_weight_diff"]

@@ -23,13 +23,13 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_lesson import data, models
 
 SAMPLES, STEPS = 120, 3
+TRAIN = int(0.85 * SAMPLES)  # the seed's 85 / 15 split
 
 
 def split_report(generator):
     dataset = data.shapes(SAMPLES, seed=0)
-    train_size = int(0.85 * len(dataset))  # the seed's 85 / 15
     kwargs = {} if generator is None else {"generator": generator}
-    train, valid = random_split(dataset, [train_size, len(dataset) - train_size], **kwargs)
+    train, valid = random_split(dataset, [TRAIN, SAMPLES - TRAIN], **kwargs)
     shard = [train.indices[i] for i in DistributedSampler(train, shuffle=False)]  # dataset indices
     return {"shard": shard, "valid": list(valid.indices)}, train
 
@@ -68,7 +68,10 @@ def main():
         for kind in ("unseeded", "seeded"):
             shards = [s[kind]["shard"] for s in splits]
             every_index = [i for s in shards for i in s]
-            result[f"{kind}_shards_disjoint"] = len(every_index) == len(set(every_index))
+            # DistributedSampler pads the shards to equal lengths with repeats (102 samples on
+            # 4 ranks: 2); disjoint means every training sample on exactly one rank besides those
+            result[f"{kind}_shards_disjoint"] = len(set(every_index)) == TRAIN
+            result["padding"] = len(every_index) - TRAIN
             result[f"{kind}_train_in_other_valid"] = sum(
                 len(set(splits[a][kind]["shard"]) & set(splits[b][kind]["valid"]))
                 for a in range(world) for b in range(world) if a != b)
