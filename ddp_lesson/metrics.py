@@ -69,15 +69,15 @@ def log(step, **values):
     f.write(json.dumps(row, allow_nan=False) + "\n")  # line-buffered: the newline flushes it
 
 
-_statm = None
+_statm = (None, None)  # (pid, descriptor): "self" was resolved when it was opened
 
 
 def _rss_mb():
     global _statm
     try:  # the file stays open: pread regenerates it, at a tenth of an open() per step
-        if _statm is None:
-            _statm = os.open("/proc/self/statm", os.O_RDONLY)
-        return int(os.pread(_statm, 100, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        if _statm[0] != os.getpid():  # first call, or a forked child holding its parent's file
+            _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
+        return int(os.pread(_statm[1], 100, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError, AttributeError):
         import resource  # no /proc (macOS): the peak instead, in bytes there
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

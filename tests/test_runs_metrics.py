@@ -13,6 +13,7 @@
   `python -m torch.distributed.run` without the launcher, writing nothing.
 """
 import json
+import os
 import re
 import subprocess
 import sys
@@ -238,3 +239,19 @@ def test_killed_rank_wins_even_when_torchrun_names_a_torn_down_peer(tmp_path):
         {"rank": 1, "pid": 101, "exitcode": -9, "timestamp": 10}]})
     f = failures.root_cause(tmp_path)
     assert (f["rank"], f["exitcode"]) == (1, -9), f
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux /proc only")
+def test_memory_field_is_this_process_rss_also_after_a_fork():
+    """StepTimer's mem_mb keeps /proc/self/statm open; a forked child must read its own."""
+    big = bytearray(200 * 2**20)
+    big[::4096] = b"\x01" * len(big[::4096])   # touch every page: 200 MB more resident here
+    parent = metrics._rss_mb()
+    pid = os.fork()
+    if pid == 0:
+        del big                                 # the child lets go of them
+        with open("/proc/self/statm") as f:
+            own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        os._exit(0 if abs(metrics._rss_mb() - own) < 20 and parent - own > 100 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
