@@ -94,7 +94,7 @@ def timing_worker(steps):
             self.model = DDP(models.SmallCNN().to(device), device_ids=[local] if use_cuda else None)
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
             self.timer = metrics.StepTimer(self.model) if timed else None
-            self.batches, self.times, self.step = None, [], 0
+            self.batches, self.times, self.step, self.fields = None, [], 0, {}
 
         def next_batch(self):  # epoch after epoch, through the timer where there is one
             while True:
@@ -118,7 +118,8 @@ def timing_worker(steps):
             metrics.log(self.step, loss=loss.item(), epoch=0, **self.fields)
             self.times.append(time.perf_counter() - t)
 
-    names, times = ("A", "A2", "B"), {"A": [], "A2": [], "B": []}
+    names = ("A", "A2", "B")
+    times = {name: [] for name in names}
     for r in range(ROUNDS):  # fresh copies each round, built in a rotated order: where a copy's
         order = names[r % 3:] + names[:r % 3]  # tensors land in memory must not favour one
         copies = {name: Copy(name == "B") for name in order}

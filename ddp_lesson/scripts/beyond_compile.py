@@ -151,11 +151,13 @@ def main():
     out["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"]))
     out["max_weight_diff"] = (weights["eager"] - weights["compiled"]).abs().max().item()
 
+    x_seen, y_seen = x_all.to(device), y_all.to(device)
+
     def loss_on_all(flat):  # over every sample the ranks trained on: one batch's loss is too noisy
         m = copy.deepcopy(base)
         nn.utils.vector_to_parameters(flat.to(device), m.parameters())
         with torch.no_grad():
-            return F.cross_entropy(m(x_all.to(device)), y_all.to(device)).item()
+            return F.cross_entropy(m(x_seen), y_seen).item()
     out["loss_on_all_samples"] = {"start": loss_on_all(nn.utils.parameters_to_vector(base.parameters())),
                                   **{k: loss_on_all(w) for k, w in weights.items()}}
     if rank == 0:

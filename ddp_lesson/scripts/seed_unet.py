@@ -65,13 +65,13 @@ def main():
     splits = [None] * world
     dist.all_gather_object(splits, {"unseeded": unseeded, "seeded": seeded})
     if rank == 0:
+        # DistributedSampler pads the shards to equal lengths with repeats (102 samples on 4
+        # ranks: 2); disjoint means every training sample on exactly one rank besides those
+        result["padding"] = len(seeded["shard"]) * world - TRAIN
         for kind in ("unseeded", "seeded"):
             shards = [s[kind]["shard"] for s in splits]
             every_index = [i for s in shards for i in s]
-            # DistributedSampler pads the shards to equal lengths with repeats (102 samples on
-            # 4 ranks: 2); disjoint means every training sample on exactly one rank besides those
             result[f"{kind}_shards_disjoint"] = len(set(every_index)) == TRAIN
-            result["padding"] = len(every_index) - TRAIN
             result[f"{kind}_train_in_other_valid"] = sum(
                 len(set(splits[a][kind]["shard"]) & set(splits[b][kind]["valid"]))
                 for a in range(world) for b in range(world) if a != b)
