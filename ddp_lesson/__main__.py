@@ -29,7 +29,11 @@ def _device_args(p):
 def build_parser():
     top = Parser(prog="python -m ddp_lesson", description=__doc__.split("\n")[0])
     sub = top.add_subparsers(dest="command", parser_class=Parser, required=True)
-    run = sub.add_parser("run", help="launch a script under torchrun and supervise it")
+    run = sub.add_parser("run", help="launch a script under torchrun and supervise it",
+                         epilog="Exit status: 0 ok, 1 failed or timed out, 2 bad input, 130 interrupted. "
+                                "Ctrl-C (SIGINT) or SIGTERM stops every process of the run. Started with "
+                                "SIGINT ignored (a background job of a script, nohup), the run leaves it "
+                                "ignored, as such jobs expect; SIGTERM still stops it.")
     run.add_argument("script")
     _device_args(run)
     run.add_argument("--max-restarts", default=0, help="elastic restarts after a failure (default 0)")

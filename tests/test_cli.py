@@ -6,7 +6,8 @@ Pins down the exit-status contract and what gets printed:
   that is a file, a negative `--timeout` or `--max-restarts`): exit 2, exactly one line on
   stderr, no traceback, no process started and no run directory created;
 - Ctrl-C (SIGINT to the command's process group, as a terminal sends it): every process
-  of the run is gone within 10 s, status `interrupted`, exit 130;
+  of the run is gone within 10 s, status `interrupted`, exit 130; started with SIGINT
+  ignored (a background job), it stays ignored and SIGTERM ends the run the same way;
 - a rank that raises (a plain script without @record, and one with it): exit 1 within 60 s, the other rank is
   torn down, and both the printed output and result.json name rank 1 as the first
   failure, with its traceback;
@@ -88,17 +89,54 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
 
 # -- Ctrl-C ----------------------------------------------------------------------------------
 
+def ranks_ready(run_dir, nproc=2):
+    logs = [run_dir / "logs" / f"rank{r}.stdout.log" for r in range(nproc)]
+    return lambda: all(f.exists() and "ready" in f.read_text() for f in logs)
+
+
+def _ignored_signals(pid):
+    mask = next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("SigIgn:"))
+    return {signal.Signals(n + 1) for n in range(64) if int(mask, 16) >> n & 1 and n + 1 in
+            signal.valid_signals()}
+
+
+@pytest.mark.timeout(90)
+def test_started_with_sigint_ignored_it_stays_ignored_and_sigterm_ends_the_run(tmp_path, tmp_run_dir):
+    """The documented choice (`run --help`, README): a background job of a non-interactive
+    shell or a nohup'ed command starts with SIGINT ignored, and the run leaves it so; SIGTERM
+    ends it as Ctrl-C would."""
+    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
+    p = subprocess.Popen(cli("run", SCRIPTS / "sleeper.py", "--run-dir", tmp_run_dir), cwd=tmp_path,
+                         env=child_env(), stdout=out, stderr=err, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
+        ignored = _ignored_signals(p.pid)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        out.close()
+        err.close()
+    assert signal.SIGINT in ignored
+    assert rc == 130, (tmp_path / "err.txt").read_text()
+    assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"
+
+
 @pytest.mark.timeout(90)
 def test_ctrl_c_ends_every_process_and_exits_130(tmp_path, tmp_run_dir):
     out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
     # its own process group, as a shell gives a foreground job
+    # A terminal's foreground job has SIGINT at its default; pytest started as a background
+    # job of a non-interactive shell (or under nohup) has it ignored, and the child would
+    # inherit that, so the disposition the test means is set here.
     p = subprocess.Popen(cli("run", SCRIPTS / "sleeper.py", "--run-dir", tmp_run_dir), cwd=tmp_path,
-                         env=child_env(), stdout=out, stderr=err, start_new_session=True)
+                         env=child_env(), stdout=out, stderr=err, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        ready = wait_until(lambda: all((tmp_run_dir / "logs" / f"rank{r}.stdout.log").exists() and
-                                       "ready" in (tmp_run_dir / "logs" / f"rank{r}.stdout.log").read_text()
-                                       for r in (0, 1)), 60)
-        assert ready, "ranks never became ready"
+        assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
         pids = {q.pid for q in procs.run_processes(tmp_run_dir)} | {q.pid for q in procs.tree(p.pid)}
         pids.discard(p.pid)
         assert len(pids) >= 3  # agent + 2 ranks

@@ -210,6 +210,9 @@ def test_interrupt_during_wait_stops_the_run(tmp_run_dir):
             os.kill(os.getpid(), signal.SIGINT)
 
     t = threading.Thread(target=interrupter, daemon=True)
+    # A kernel's Interrupt raises KeyboardInterrupt whatever pytest inherited: a background
+    # job of a non-interactive shell starts with SIGINT ignored, so Python's handler is set here.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t.start()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -218,6 +221,7 @@ def test_interrupt_during_wait_stops_the_run(tmp_run_dir):
         gone = wait_until(lambda: all_gone(seen["pids"]), max(0.0, 10 - elapsed))
         elapsed = time.monotonic() - seen["t0"]
     finally:
+        signal.signal(signal.SIGINT, previous)
         run.stop()
     print(f"KeyboardInterrupt in wait(): every process gone after {elapsed:.2f} s")
     assert gone and elapsed < 10
