@@ -331,8 +331,14 @@ class Run:
         except Exception:
             return None
         procs.kill_all(ranks, signal.SIGUSR1)
-        time.sleep(0.5)
-        return stacks.where(self.run_dir, self.config.get("nproc", 0))
+        # each rank's stack is written by its signal handler; on a busy machine that can take a
+        # while, so wait for every live rank's (up to a few seconds), not a fixed pause
+        nproc, end = self.config.get("nproc", 0), time.monotonic() + 5
+        where = stacks.where(self.run_dir, nproc)
+        while len(where) < min(nproc, len(ranks)) and time.monotonic() < end:
+            time.sleep(0.1)
+            where = stacks.where(self.run_dir, nproc)
+        return where
 
     def _finish(self, rc, where=None, error=None):
         duration = round(time.monotonic() - self._t0, 3)

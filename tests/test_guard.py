@@ -253,10 +253,15 @@ import os, sys, time
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
-        open(sys.argv[1], "w").write(str(os.getpid()))
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
         time.sleep(120)
     os._exit(0)
-time.sleep(0.5)
+# leave once the daemon has said its pid (on a busy machine that may take a while)
+end = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < end:
+    time.sleep(0.02)
 """
 
 
