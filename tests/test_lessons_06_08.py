@@ -1,11 +1,10 @@
-"""Notebooks 06-08: each has asserts and an exercise with a checker and a solution; the
-failure scripts behave as 07 says. (Outputs, ids, %%writefile cells: test_notebooks_check.)"""
+"""Notebooks 06-08: each has asserts and an exercise with a checker and a solution.
+(Outputs, ids, %%writefile cells: test_notebooks_check.)"""
 import json
 from pathlib import Path
 
 import pytest
 
-from ddp_lesson import launch
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ["06_scaling_and_performance", "07_troubleshooting", "08_multi_node"]
@@ -25,22 +24,8 @@ def test_checked_with_an_exercise(name):
     assert "clear_output" not in text
 
 
-def test_hang_times_out(tmp_path):
-    run = launch.start(SCRIPTS / "hang.py", nproc=2, cpu=True, timeout=20, run_dir=tmp_path / "r")
-    res = run.wait()
-    assert res["status"] == "timeout"
-
-
-def test_crash_root_cause_and_elastic_resume(tmp_path):
-    ck = str(tmp_path / "ck.pt")
-    args = ["--checkpoint", ck, "--epochs", "3", "--samples", "256", "--crash-at", "1,2"]
-    res = launch.start(SCRIPTS / "resume.py", nproc=2, cpu=True, args=args, timeout=120,
-                       run_dir=tmp_path / "a").wait()
-    assert res["status"] == "failed" and res["failure"]["rank"] == 1
-    assert "simulated failure of rank 1 at epoch 1" in res["failure"]["message"]
-    run = launch.start(SCRIPTS / "resume.py", nproc=2, cpu=True, args=args, max_restarts=1, timeout=180,
-                       run_dir=tmp_path / "b")
-    assert run.wait()["status"] == "ok"
-    from ddp_lesson import runs
-    rows = [r for r in runs.load(run.run_dir).rows if r["rank"] == 0]
-    assert [(r["epoch"], r["attempt"], r["resumed_from"]) for r in rows] == [(1, 0, 1), (2, 1, 2)]
+# The failure scripts' behaviour is asserted where it is taught, not launched again here:
+# hang.py timing out (and starting although 29500 is taken): notebook 07 section 1 (and, via the
+# command line, test_cli.py::test_rank_that_never_joins_the_collective_times_out); resume.py's
+# root cause (rank 1, not rank 0's teardown) and its elastic resume from the checkpoint
+# ((epoch, attempt, resumed_from) rows): notebook 07 section 4, with the same arguments.

@@ -48,6 +48,8 @@ def launched(tmp_path_factory):
                for name, (script, nproc, args, _) in RUNS.items()}
     started["checks_3"] = launch.start(SCRIPTS / "ddp_checks.py", nproc=3, cpu=True,
                                        run_dir=base / "checks_3", timeout=300)
+    started["unet_4"] = launch.start(SCRIPTS / "seed_unet.py", nproc=4, cpu=True,
+                                     run_dir=base / "unet_4", timeout=300)
     for run in started.values():  # all finish before any test ends: conftest allows no live run
         run.wait()
     yield started
@@ -102,11 +104,11 @@ def test_lesson_scripts_share_one_evaluate():
     assert evaluate_of("ddp_basic.py") == evaluate_of("ddp_syncbn.py") == evaluate_of("ddp_accum.py")
 
 
-def test_seed_unet_split_checks_hold_where_the_sampler_pads(tmp_path):
+def test_seed_unet_split_checks_hold_where_the_sampler_pads(launched):
     """Notebook 07g at 4 ranks: 102 training samples need 2 repeats to make equal shards. The
     seeded split still puts every training sample on exactly one rank (besides those repeats);
-    the seed's unseeded split does not, and the un-wrapped copies drift apart."""
-    run = launch.start(SCRIPTS / "seed_unet.py", nproc=4, cpu=True, run_dir=tmp_path / "r", timeout=120)
+    the UNet script's unseeded split does not, and the un-wrapped copies drift apart."""
+    run = launched["unet_4"]
     assert run.wait()["status"] == "ok", run.result
     unet = json.loads((run.run_dir / "seed_unet.json").read_text())
     assert unet["world_size"] == 4 and unet["padding"] == 2
