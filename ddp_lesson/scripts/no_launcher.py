@@ -1,5 +1,5 @@
 """One script for both worlds: distributed under a launcher, a single process without.
-The seed's init_distributed_mode pattern: no RANK/WORLD_SIZE in the environment means no
+The init_distributed_mode pattern of WZ's train_multi_GPU code: no RANK/WORLD_SIZE in the environment means no
 launcher started us, so say "Not using distributed mode" and train on one process.
 
     python no_launcher.py                                  # one process
