@@ -1,8 +1,11 @@
-"""The generated sbatch script: its content, and what it runs when Slurm's commands are
-replaced by stubs that record their arguments."""
+"""The generated sbatch script: its content, what it runs when Slurm's commands are
+replaced by stubs that record their arguments, and (where root and Debian's Slurm packages
+are there) what it does under a real one-machine Slurm brought up by tools/slurm_cluster.sh."""
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +65,101 @@ def test_cli():
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --nodes=3" in out.stdout and "--nproc-per-node 8" in out.stdout
     assert out.stdout.rstrip().endswith("train.py --epochs 2")
+
+
+# --- a real Slurm (tools/slurm_cluster.sh): the printed script is submitted with sbatch ---
+TRAIN = Path(slurm.__file__).parent / "scripts" / "train_ddp.py"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = slurm.why_no_cluster()
+    if why:
+        pytest.skip(why)
+    with slurm.Cluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+def printed(*flags):
+    """What `python -m ddp_lesson slurm ...` prints, as a learner would save it."""
+    out = subprocess.run([sys.executable, "-m", "ddp_lesson", "slurm", *flags], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def cpu_job(tmp_path, nproc, epochs):
+    from ddp_lesson.launch import free_port
+    job = tmp_path / "job.sbatch"
+    job.write_text(printed(str(TRAIN), "--cpu", "--nodes", "1", "--nproc-per-node", str(nproc),
+                           "--port", str(free_port()), "--", "--epochs", str(epochs)))
+    (tmp_path / "run").mkdir()
+    return job
+
+
+def test_cpu_job_runs_under_real_slurm(cluster, tmp_path):
+    nproc = 2
+    job = cpu_job(tmp_path, nproc, epochs=1)
+    job_id = cluster.submit(job, f"--chdir={tmp_path}", f"--output={tmp_path}/out.txt",
+                            env={"DDP_LESSON_RUN_DIR": str(tmp_path / "run")})
+    info = cluster.wait(job_id, timeout=600)
+    out = (tmp_path / "out.txt").read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
+    host = info["NodeList"]
+    assert f"job {job_id}: 1 nodes, rendezvous at {host}:" in out
+    from ddp_lesson.runs import load_metrics
+    rows = load_metrics(tmp_path / "run")
+    assert sorted({r["rank"] for r in rows}) == list(range(nproc))  # the world: nodes x nproc
+    tests = [r for r in rows if "test_accuracy" in r]
+    assert len(tests) == nproc and len({r["test_accuracy"] for r in tests}) == 1
+    assert tests[0]["test_accuracy"] > 0.3, tests  # chance is 10%
+    assert f"test accuracy {tests[0]['test_accuracy']:.1%}" in out
+
+
+def test_scancel_leaves_nothing_running(cluster, tmp_path):
+    nproc = 2
+    job = cpu_job(tmp_path, nproc, epochs=500)
+    job_id = cluster.submit(job, f"--chdir={tmp_path}", f"--output={tmp_path}/out.txt",
+                            env={"DDP_LESSON_RUN_DIR": str(tmp_path / "run")})
+    cluster.wait(job_id, timeout=300, states={"RUNNING"} | slurm.ENDED)
+    end = time.monotonic() + 300
+    while len(list((tmp_path / "run").glob("metrics/rank*.jsonl"))) < nproc:  # the ranks train
+        assert time.monotonic() < end and cluster.job(job_id)["JobState"] == "RUNNING"
+        time.sleep(0.5)
+    assert len(slurm.job_processes(job_id)) >= nproc + 2  # batch shell, srun/step, torchrun, ranks
+    cluster.slurm("scancel", job_id)
+    assert cluster.wait(job_id, timeout=120)["JobState"] == "CANCELLED"
+    end = time.monotonic() + 60
+    while slurm.job_processes(job_id) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert slurm.job_processes(job_id) == []
+
+
+def test_gpu_form_passes_test_only(cluster, tmp_path):
+    """The GPU script is judged by sbatch --test-only against the cluster's paper GPU nodes
+    (two with 8 GPUs each); asking for more than that is refused, so the check can fail."""
+    for gpus, ok in ((4, True), (8, True), (9, False)):
+        job = tmp_path / f"gpu{gpus}.sbatch"
+        job.write_text(printed("train.py", "--nodes", "2", "--gpus-per-node", str(gpus), "--partition", "gpu"))
+        out = cluster.slurm("sbatch", "--test-only", str(job), check=False)
+        assert (out.returncode == 0) == ok, out.stderr
+        if ok:
+            assert "on nodes gpu[1-2]" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("flags", [["--nodes", "0"], ["--gpus-per-node", "-1"],
+                                   ["--nodes", "99999999999999999999999"],
+                                   ["--cpu", "--nproc-per-node", "0"], ["--cpu", "--gpus-per-node", "2"]])
+def test_bad_numbers_exit_2(flags):
+    out = subprocess.run([sys.executable, "-m", "ddp_lesson", "slurm", "train.py", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp_lesson: ") and lines[0].endswith("."), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cpu_form_content():
+    text = slurm.sbatch_script("t.py", nodes=3, cpu=True, nproc_per_node=5)
+    assert "--gpus-per-node" not in text and "#SBATCH --cpus-per-task=5" in text
+    assert "--nproc-per-node 5" in text and "#SBATCH --nodes=3" in text
