@@ -8,6 +8,11 @@ with its own run directory (<base>/node<i>): exactly what you would type on N ma
 with the machines' addresses replaced by 127.0.0.1. The c10d rendezvous lets the first
 agent host the store; the others join it.
 """
+import os
+import secrets
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,8 +87,6 @@ def expected_table(nodes, procs_per_node):
 # --- two "machines" joined by a real link: network namespaces (root only) ---
 def why_no_netns():
     """None where this process can make network namespaces, else one sentence why not."""
-    import os
-    import shutil
     if os.geteuid() != 0:
         return "Network namespaces need root."
     if not (shutil.which("ip") and shutil.which("unshare")):
@@ -110,8 +113,6 @@ class TwoMachines:
     IFNAME = "lesson0"
 
     def __init__(self, side_network=False):
-        import os
-        import secrets
         tag = f"ddpl{os.getpid()}{secrets.token_hex(2)}"
         self.names = (f"{tag}n0", f"{tag}n1")
         # the networks only node0, only node1 is on
@@ -119,7 +120,6 @@ class TwoMachines:
         self.hostnames = ("node0", "node1")
 
     def _ip(self, *args):
-        import subprocess
         out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
         if out.returncode != 0:
             raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
@@ -134,7 +134,6 @@ class TwoMachines:
             self._ip("-n", ns, "link", "set", name, "up")
 
     def up(self):
-        from pathlib import Path
         try:
             for ns in self.names + self.sides:
                 self._ip("netns", "add", ns)
@@ -162,9 +161,6 @@ class TwoMachines:
         return self
 
     def down(self):
-        import shutil
-        import subprocess
-        from pathlib import Path
         for ns in self.names + self.sides:
             # deleting a namespace ends its veth pairs; its processes are the caller's to end
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
@@ -182,17 +178,12 @@ class TwoMachines:
                 'hostname "$0" && exec "$@"', self.hostnames[node], *map(str, argv)]
 
     def exists(self):
-        import subprocess
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         return [ns for ns in self.names + self.sides if ns in listed.split()]
 
     def run(self, script, base_dir, nproc_per_node=1, args=(), timeout=60, env=None, port=29400):
         """One `python -m ddp_lesson run` per machine, meeting at node0:port; waits for both
         and returns their run directories (node0, node1), each with its result.json."""
-        import os
-        import subprocess
-        import sys
-        from pathlib import Path
         base = Path(base_dir)
         procs, dirs = [], []
         try:

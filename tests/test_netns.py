@@ -7,7 +7,6 @@ init_process_group until the launcher's timeout (node1's may fail first with glo
 "No route to host"), and both messages name GLOO_SOCKET_IFNAME; with
 GLOO_SOCKET_IFNAME=lesson0 the same job runs."""
 import json
-import subprocess
 from pathlib import Path
 
 import pytest

@@ -1,6 +1,7 @@
 """The generated sbatch script: its content, what it runs when Slurm's commands are
 replaced by stubs that record their arguments, and (where root and Debian's Slurm packages
 are there) what it does under a real one-machine Slurm brought up by tools/slurm_cluster.sh."""
+import json
 import os
 import subprocess
 import sys
@@ -163,3 +164,40 @@ def test_cpu_form_content():
     text = slurm.sbatch_script("t.py", nodes=3, cpu=True, nproc_per_node=5)
     assert "--gpus-per-node" not in text and "#SBATCH --cpus-per-task=5" in text
     assert "--nproc-per-node 5" in text and "#SBATCH --nodes=3" in text
+
+
+KERNEL_LIKE = r'''
+import json, os, sys
+from pathlib import Path
+from ddp_lesson import launch, runs, world
+assert os.environ["SLURM_JOB_ID"] and os.environ["RANK"] == "5"  # inside an allocation, vars leaked in
+run = launch.start(Path(launch.__file__).parent / "scripts" / "rank_table.py", nproc=2, cpu=True,
+                   run_dir=sys.argv[1], timeout=240)
+res = run.wait()
+rows = [{"RANK": r["rank"], "WORLD_SIZE": r["world_size"]} for r in runs.load_metrics(sys.argv[1])
+        if "group_rank" in r]
+out = "".join(p.read_text() for p in sorted((Path(sys.argv[1]) / "logs").glob("rank*.stdout.log")))
+with world.start(nproc=2, cpu=True, timeout=240) as w:
+    live = [r.value for r in w.run("import os; (rank, dist.get_world_size(), os.environ.get('MASTER_PORT'))")]
+print(json.dumps({"status": res["status"], "message": res.get("message"), "rows": rows, "out": out,
+                  "live": live, "job": os.environ["SLURM_JOB_ID"]}))
+'''
+
+
+def test_kernel_inside_an_allocation(cluster, tmp_path):
+    """A JupyterLab started in a Slurm job (Open OnDemand) sees SLURM_* variables and whatever
+    the job's shell exported; a kernel-like process under srun launches a run and a live
+    world there: torchrun's world is its own (2 ranks), not the tutorial-style RANK=5,
+    WORLD_SIZE=8, MASTER_PORT=1 of the job's environment."""
+    leaked = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "192.0.2.99",
+              "MASTER_PORT": "1"}
+    out = cluster.slurm("srun", "--ntasks=1", "--cpus-per-task=2", f"--chdir={tmp_path}",
+                        sys.executable, "-c", KERNEL_LIKE, str(tmp_path / "run"),
+                        env=leaked, timeout=600)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["job"].isdigit()
+    assert got["status"] == "ok", got["message"]
+    assert sorted((r["RANK"], r["WORLD_SIZE"]) for r in got["rows"]) == [(0, 2), (1, 2)]
+    assert "MASTER_PORT=1 " not in got["out"] and "MASTER_ADDR=192.0.2.99" not in got["out"]
+    assert sorted(v[:4] for v in got["live"]) == ["(0, ", "(1, "], got["live"]
+    assert all(", 2, " in v and "'1')" not in v for v in got["live"]), got["live"]
