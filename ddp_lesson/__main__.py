@@ -52,8 +52,11 @@ def build_parser():
                        help="also end runs whose launcher (a notebook, a terminal) is still alive")
     sl = sub.add_parser("slurm", help="print a Slurm sbatch script for a multi-node run of SCRIPT")
     sl.add_argument("script")
-    sl.add_argument("--nodes", default=2, type=int, help="nodes (default 2)")
-    sl.add_argument("--gpus-per-node", default=4, type=int, help="GPUs (ranks) per node (default 4)")
+    sl.add_argument("--nodes", default=2, help="nodes (default 2)")
+    sl.add_argument("--gpus-per-node", help="GPUs (ranks) per node (default 4)")
+    sl.add_argument("--cpu", action="store_true", help="a CPU partition: no GPUs, ranks on gloo")
+    sl.add_argument("--nproc-per-node", help="with --cpu: CPU ranks per node (default 2)")
+    sl.add_argument("--port", default=29500, help="rendezvous port on the first node (default 29500)")
     sl.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
     sl.add_argument("--partition", help="Slurm partition")
     return top
@@ -143,8 +146,7 @@ def main(argv=None):
             return doctor.main()
         if a.command == "slurm":
             from . import slurm
-            print(slurm.sbatch_script(a.script, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
-                                      args=script_args, time=a.time, partition=a.partition), end="")
+            print(slurm.from_flags(a, script_args), end="")
             return 0
         if a.command == "cleanup":
             from . import doctor

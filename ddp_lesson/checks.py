@@ -46,3 +46,11 @@ def cpu_ranks(nproc, cores):
                        f"core(s) can run (at most {limit} here); to go further on purpose, set "
                        f"{MAX_CPU_RANKS_ENV}={nproc}.")
     return nproc
+
+
+def bounded(name, value, minimum, maximum, kind=int):
+    """number(name, value, minimum, kind), and at most `maximum`; BadInput otherwise."""
+    n = number(name, value, minimum, kind=kind)
+    if n > maximum:
+        raise BadInput(f"{name} must be at most {maximum}, got {value}.")
+    return n

@@ -35,6 +35,11 @@ HINTS = [
      "hint: nccl needs NVIDIA GPUs and a CUDA build of torch; on CPU ranks use the gloo backend."),
     (("CUDA out of memory", "OutOfMemoryError"),
      "hint: the GPU ran out of memory; try a smaller batch, a smaller model or fewer ranks per GPU."),
+    (("connectFullMesh", "timed out connecting", "No route to host"),
+     "hint: a rank could not reach another rank's gloo address. Without GLOO_SOCKET_IFNAME gloo "
+     "listens on the address the machine's own name resolves to, which on a machine with several "
+     "networks may be one the others cannot reach; set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for "
+     "nccl) to the interface the machines share (see `ip -4 addr`), on every node."),
     (("Address already in use", "EADDRINUSE"),
      "hint: a port was already taken; do not hard-code MASTER_PORT (29500), let the launcher pick one."),
 ]
@@ -145,3 +150,18 @@ def describe(failure, traceback=True):
     if traceback and tb:
         lines.append(tb)
     return "\n".join(lines)
+
+
+NETWORK_HANG = ("hint: on several nodes, ranks that wait in init_process_group or their first "
+                "collective often cannot reach each other's address: gloo listens on the address the "
+                "machine's own name resolves to unless GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for nccl) "
+                "names the interface the machines share; set it on every node.")
+
+
+def after_timeout(message, config, where=None):
+    """The timeout message, with the network hint for a multi-node run whose ranks were
+    waiting for each other (or whose whereabouts are unknown)."""
+    states = {w.get("state") for w in (where or {}).values()}
+    if (config or {}).get("nnodes", 1) > 1 and (not states or states & {"init", "collective"}):
+        return f"{message}\n{NETWORK_HANG}"
+    return message

@@ -358,7 +358,8 @@ class Run:
             result["failure"] = failures.root_cause(self.run_dir)
             result["message"] = failures.describe(result["failure"])
         elif status == "timeout":
-            result["message"] = stacks.timeout_message(self.timeout, where)
+            result["message"] = failures.after_timeout(stacks.timeout_message(self.timeout, where),
+                                                       self.config, where)
         elif status == "interrupted":
             result["message"] = "The run was stopped; every process of it has ended."
         self.result = result
