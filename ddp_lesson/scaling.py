@@ -5,7 +5,7 @@ and all-reduce, and a two-term model that predicts the speed-up; all measured in
 
 One launch per rank count. Every rank trains SmallCNN on the built-in `shapes` data with
 a fixed per-rank batch, so an epoch of the same data takes 1/n of the steps on n ranks
-(the setting of the seeds' s/epoch figures). In each launch rank 0 of scripts/scaling_worker.py reports:
+(the setting of the s/epoch figures in the blog posts the course grew from). In each launch rank 0 of scripts/scaling_worker.py reports:
 - epoch_s    one real DDP epoch (after a warm-up);
 - compute_s  a step with the all-reduce switched off (`no_sync`): forward, backward, step;
 - compute_max_s  the same, per step the slowest rank's time (median over steps);
@@ -25,15 +25,15 @@ from . import devices, launch, runs
 
 WORKER = Path(__file__).resolve().parent / "scripts" / "scaling_worker.py"
 
-# The seeds' measurements. WZ (ResNet-34, flower_photos, batch 16, Tesla V100): s/epoch on
+# The blog posts' measurements (named in notebook 00). WZ (ResNet-34, flower_photos, batch 16, Tesla V100): s/epoch on
 # 1, 2, 4, 8 GPUs. The 3090 post: roberta-large, 1029 s on one card, 707 s on two.
-SEED_WZ_S_PER_EPOCH = {1: 9.0, 2: 5.5, 4: 3.0, 8: 2.0}
-SEED_3090_S = {1: 1029.0, 2: 707.0}
+BLOG_WZ_S_PER_EPOCH = {1: 9.0, 2: 5.5, 4: 3.0, 8: 2.0}
+BLOG_3090_S = {1: 1029.0, 2: 707.0}
 
 
-def seed_speedups():
-    wz = {n: SEED_WZ_S_PER_EPOCH[1] / t for n, t in SEED_WZ_S_PER_EPOCH.items()}
-    return {"wz_v100": wz, "3090": {n: SEED_3090_S[1] / t for n, t in SEED_3090_S.items()}}
+def blog_speedups():
+    wz = {n: BLOG_WZ_S_PER_EPOCH[1] / t for n, t in BLOG_WZ_S_PER_EPOCH.items()}
+    return {"wz_v100": wz, "3090": {n: BLOG_3090_S[1] / t for n, t in BLOG_3090_S.items()}}
 
 
 def default_nprocs(cpu=False):
@@ -94,15 +94,15 @@ def measure(nprocs=None, quick=True, cpu=False, samples=None, batch_size=64, ext
 
 
 def report(rows, out=sys.stdout):
-    seeds = seed_speedups()
+    blogs = blog_speedups()
     dev = rows[0]["device"]
     print(f"SmallCNN on shapes, {rows[0]['backend']} ({dev}), per-rank batch fixed:", file=out)
     print(f"{'ranks':>5} {'s/epoch':>8} {'speed-up':>8} {'effic.':>7} {'compute':>9} {'allreduce':>9} "
           f"{'step':>8} {'model':>7} {'WZ V100':>8} {'2x3090':>7}", file=out)
     for r in rows:
         n = r["nproc"]
-        wz = seeds["wz_v100"].get(n)
-        g = seeds["3090"].get(n)
+        wz = blogs["wz_v100"].get(n)
+        g = blogs["3090"].get(n)
         print(f"{n:>5} {r['epoch_est_s']:8.2f} {r['speedup']:7.2f}x {r['efficiency']:6.0%} "
               f"{r['compute_s'] * 1e3:7.1f}ms {r['allreduce_s'] * 1e3 if n > 1 else 0:7.1f}ms "
               f"{r['step_s'] * 1e3:6.1f}ms {r['pred_speedup']:6.2f}x "

@@ -48,7 +48,7 @@ def launched(tmp_path_factory):
                for name, (script, nproc, args, _) in RUNS.items()}
     started["checks_3"] = launch.start(SCRIPTS / "ddp_checks.py", nproc=3, cpu=True,
                                        run_dir=base / "checks_3", timeout=300)
-    started["unet_4"] = launch.start(SCRIPTS / "seed_unet.py", nproc=4, cpu=True,
+    started["unet_4"] = launch.start(SCRIPTS / "unet_split.py", nproc=4, cpu=True,
                                      run_dir=base / "unet_4", timeout=300)
     for run in started.values():  # all finish before any test ends: conftest allows no live run
         run.wait()
@@ -104,13 +104,13 @@ def test_lesson_scripts_share_one_evaluate():
     assert evaluate_of("ddp_basic.py") == evaluate_of("ddp_syncbn.py") == evaluate_of("ddp_accum.py")
 
 
-def test_seed_unet_split_checks_hold_where_the_sampler_pads(launched):
+def test_unet_split_split_checks_hold_where_the_sampler_pads(launched):
     """Notebook 07g at 4 ranks: 102 training samples need 2 repeats to make equal shards. The
     seeded split still puts every training sample on exactly one rank (besides those repeats);
     the UNet script's unseeded split does not, and the un-wrapped copies drift apart."""
     run = launched["unet_4"]
     assert run.wait()["status"] == "ok", run.result
-    unet = json.loads((run.run_dir / "seed_unet.json").read_text())
+    unet = json.loads((run.run_dir / "unet_split.json").read_text())
     assert unet["world_size"] == 4 and unet["padding"] == 2
     assert unet["seeded_shards_disjoint"] and unet["seeded_train_in_other_valid"] == 0
     assert not unet["unseeded_shards_disjoint"] and unet["unseeded_train_in_other_valid"] > 0

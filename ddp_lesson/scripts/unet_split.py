@@ -1,4 +1,4 @@
-"""Check (lesson 07): the seed UNet script's two DDP mistakes, run on real ranks.
+"""Check (lesson 07): two DDP mistakes of a UNet training script from a Chinese single-machine multi-GPU guide (one of the two posts the course grew from, named in notebook 00), run on real ranks.
 
 1. It never wraps the model in DDP (it calls init_process_group, uses DistributedSampler and
    then trains `model` itself): no gradient is averaged, so every rank trains its own copy on
@@ -8,7 +8,7 @@
    overlap and one rank's validation samples are another rank's training samples. With
    generator=torch.Generator().manual_seed(0) every rank has the same split: disjoint shards.
 Also: the unwrapped model's state_dict() keys have no "module." prefix; DDP's do.
-Writes seed_unet.json (rank 0, with every rank's figures).
+Writes unet_split.json (rank 0, with every rank's figures).
 """
 import json
 import os
@@ -23,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_lesson import data, models
 
 SAMPLES, STEPS = 120, 3
-TRAIN = int(0.85 * SAMPLES)  # the seed's 85 / 15 split
+TRAIN = int(0.85 * SAMPLES)  # that script's 85 / 15 split
 
 
 def split_report(generator):
@@ -52,7 +52,7 @@ def weights_after_training(train, wrap):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    unseeded, _ = split_report(None)                        # the seed: every rank its own split
+    unseeded, _ = split_report(None)                        # that script: every rank its own split
     seeded, train = split_report(torch.Generator().manual_seed(0))
     result = {}
     for wrap in (False, True):
@@ -77,7 +77,7 @@ def main():
                 for a in range(world) for b in range(world) if a != b)
             result[f"{kind}_same_split"] = all(s[kind]["valid"] == splits[0][kind]["valid"] for s in splits)
         result.update(world_size=world, steps=STEPS)
-        path = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "seed_unet.json")
+        path = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "unet_split.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     dist.destroy_process_group()
