@@ -354,7 +354,7 @@ class World:
         self._pids = {r: hello[2] for r, (_, hello) in hellos.items()}
         self._devices = {r: hello[4] for r, (_, hello) in hellos.items()}
         self._inbox = _Inbox(self._conns)
-        self._calls, self._broken, self._stopped, self._stopping = 0, None, False, False
+        self._broken, self._stopped, self._stopping = None, False, False   # call ids go on
 
     # -- inside -----------------------------------------------------------------------
     def _check_usable(self):
