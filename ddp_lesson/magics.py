@@ -58,8 +58,11 @@ class RanksOutput:
         self.live = False                          # only each rank's latest output, while it runs
 
     def add(self, rank, kind, text):
-        if text:
-            self.parts[rank].append((kind, text))
+        parts = self.parts[rank]
+        if parts and parts[-1][0] == kind and not parts[-1][1].endswith("\n"):
+            parts[-1] = (kind, parts[-1][1] + text)   # the rest of a line sent in pieces
+        elif text:
+            parts.append((kind, text))
 
     def shown(self, rank):
         """The parts to show: all of them, or while live the last LIVE_LINES lines
@@ -73,8 +76,17 @@ class RanksOutput:
             if lines >= LIVE_LINES or size >= LIVE_CHARS:
                 kept.append(("note", "... (earlier lines: in full when the cell ends)\n"))
                 break
-            kept.append((kind, chunk[-(LIVE_CHARS - size):]))
+            chunk, cut = chunk[-(LIVE_CHARS - size):], None
+            if chunk.count("\n") > LIVE_LINES - lines:   # keep only its last lines
+                cut = len(chunk)
+                for _ in range(LIVE_LINES - lines + 1):
+                    cut = chunk.rfind("\n", 0, cut)
+                chunk = chunk[cut + 1:]
+            kept.append((kind, chunk))
             lines, size = lines + chunk.count("\n"), size + len(chunk)
+            if cut is not None:
+                kept.append(("note", "... (earlier lines: in full when the cell ends)\n"))
+                break
         return kept[::-1]
 
     def text(self):

@@ -23,6 +23,8 @@ from multiprocessing.connection import Client
 
 KEY_FILE = "world.key"
 KEY_WAIT_S = 60
+GATHER_S = 0.02          # printed lines reach the kernel within this (one message)
+GATHER_BYTES = 1 << 16   # or sooner, once this much is waiting
 
 
 def _read_key(run_dir):
@@ -75,35 +77,57 @@ class Channel:
 class Stream(io.TextIOBase):
     """sys.stdout / sys.stderr of a rank: during a cell, whole lines go to the kernel as
     they are printed; between cells (a thread still printing) to the rank's log file.
-    What bypasses Python (a subprocess, C code writing to fd 1) goes to the log file too."""
+    What bypasses Python (a subprocess, C code writing to fd 1) goes to the log file too.
+
+    Lines are gathered for up to GATHER_S (or GATHER_BYTES) and sent as one message by a
+    thread of the stream's own: a cell printing many short lines then costs the kernel a
+    few messages, not one per line, and its Interrupt finds little queued before "done"."""
 
     def __init__(self, channel, name, fallback):
         super().__init__()
         self.channel, self.name, self.fallback = channel, name, fallback
-        self.parts = []   # the line being written, in pieces (joined once: linear cost)
-        self.lock = threading.Lock()
+        self.parts, self.size = [], 0   # text not sent yet, in pieces (joined once: linear)
+        self.lock = threading.Lock()    # held from taking the text until it is sent: in order
+        self.waiting = threading.Event()
+        threading.Thread(target=self._gatherer, daemon=True, name=f"ddp-lesson-{name}").start()
 
     def write(self, text):
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if self.channel.call is None:
             return self.fallback.write(text)
-        cut = text.rfind("\n") + 1
         with self.lock:
-            if not cut:
-                self.parts.append(text)
-                return len(text)
-            self.parts.append(text[:cut])
-            chunk, self.parts = "".join(self.parts), ([text[cut:]] if cut < len(text) else [])
-        self.channel.send("out", self.channel.call, self.name, chunk)
+            self.parts.append(text)
+            self.size += len(text)
+            full = self.size >= GATHER_BYTES
+            if full:   # a line of over 1 MB goes out in pieces (no text is joined twice)
+                self._send_lines(everything=self.size >= 16 * GATHER_BYTES)
+        if not full and "\n" in text:
+            self.waiting.set()
         return len(text)
 
     def flush(self):
         with self.lock:
-            chunk, self.parts = "".join(self.parts), []
-        if chunk and self.channel.call is not None:
-            self.channel.send("out", self.channel.call, self.name, chunk)
+            self._send_lines(everything=True)
         self.fallback.flush()
+
+    def _gatherer(self):
+        while True:
+            self.waiting.wait()
+            time.sleep(GATHER_S)
+            self.waiting.clear()
+            with self.lock:
+                self._send_lines()
+
+    def _send_lines(self, everything=False):
+        """Send the whole lines written so far (everything: the rest too); under self.lock."""
+        text = "".join(self.parts)
+        cut = len(text) if everything else text.rfind("\n") + 1
+        rest = text[cut:]
+        self.parts, self.size = ([rest] if rest else []), len(rest)
+        call = self.channel.call
+        if cut and call is not None:
+            self.channel.send("out", call, self.name, text[:cut])
 
     def isatty(self):
         return False

@@ -78,18 +78,19 @@ def interrupt_after(delay):
 # -- 1. a rank that keeps printing ------------------------------------------------------
 
 def test_output_cost_is_linear_in_lines(world):
-    lines = 40_000
-    t = time.monotonic()
-    one = world.run(f"print(('x' * 50 + '\\n') * {lines}, end='')", ranks=[0])[0]
-    one_s = time.monotonic() - t
-    t = time.monotonic()
-    many = world.run(f"for _ in range({lines}): print('x' * 50)", ranks=[0])[0]
-    many_s = time.monotonic() - t
-    assert many.stdout == one.stdout and len(many.stdout) == lines * 51
-    print(f"one print {one_s:.2f} s, {lines} prints {many_s:.2f} s")
-    # Linear: a fixed cost per message (a few tens of microseconds, more on a loaded
-    # machine). Joining the text anew per line (quadratic) took over 3 s for this alone.
-    assert many_s < 2.0 + lines * 150e-6, f"{lines} one-line prints took {many_s:.1f} s"
+    def lines_s(lines):
+        t = time.monotonic()
+        res = world.run(f"for _ in range({lines}): print('x' * 50)", ranks=[0])[0]
+        assert res.stdout == ("x" * 50 + "\n") * lines
+        return time.monotonic() - t
+
+    one = world.run("print(('x' * 50 + '\\n') * 40_000, end='')", ranks=[0])[0]
+    assert len(one.stdout) == 40_000 * 51
+    half, full = lines_s(20_000), lines_s(40_000)
+    print(f"20,000 one-line prints {half:.2f} s, 40,000 {full:.2f} s")
+    # twice the lines, about twice the time (joining the text anew per line, as before,
+    # made it four times: 56 s for 40,000 lines on this loaded machine)
+    assert full < 3 * half + 1, f"output cost is not linear: {half:.1f} s, then {full:.1f} s"
 
 
 def test_timeout_holds_while_a_rank_keeps_printing(world):
@@ -301,7 +302,7 @@ def test_live_updates_show_the_latest_lines_not_everything_again(shell):
     assert all(f"[rank {r}] line {lines - 1}" in final and f"[rank {r}] line 0" in final
                for r in range(n)), "the cell's last display must hold all its output"
     assert len(sizes) >= 3, f"the cell should have shown live updates: {sizes}"
-    bound = n * (getattr(magics, "LIVE_LINES", 40) + 10) * 20   # 20 characters a line
+    bound = n * (getattr(magics, "LIVE_LINES", 40) + 5) * 25   # lines of ~20 characters
     print(f"live update sizes {sizes[:-1]}, final {sizes[-1]}")
     assert max(sizes[:-1]) < bound, f"a live update resent everything so far: {sizes}"
 
