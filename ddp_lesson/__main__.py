@@ -16,7 +16,7 @@ EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence, no usage block
-        raise BadInput(f"{message[0].upper()}{message[1:]} (see: python -m ddp_lesson {self.prog.split()[-1]} --help).")
+        raise BadInput(f"{message[0].upper()}{message[1:]} (see: {self.prog} --help).")
 
 
 def _device_args(p):

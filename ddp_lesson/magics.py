@@ -24,6 +24,8 @@ from . import BadInput, world as world_mod
 
 LIVE_AFTER_S = 0.5     # a cell finishing sooner shows one display, not a live one
 UPDATE_EVERY_S = 0.25  # at most 4 updates per second while a cell runs
+LIVE_LINES = 40        # while a cell runs, each update shows each rank's last lines only
+LIVE_CHARS = 20_000
 RED, AMBER = "#cf222e", "#9a6700"
 
 _world = None          # the world of this kernel's magics
@@ -53,15 +55,44 @@ class RanksOutput:
         self.ranks = list(ranks)
         self.parts = {r: [] for r in self.ranks}   # [(kind, text)], kind: stdout/stderr/value/error
         self.note = ""                             # a line under the columns (a timeout, say)
+        self.live = False                          # only each rank's latest output, while it runs
 
     def add(self, rank, kind, text):
-        if text:
-            self.parts[rank].append((kind, text))
+        parts = self.parts[rank]
+        if parts and parts[-1][0] == kind and not parts[-1][1].endswith("\n"):
+            parts[-1] = (kind, parts[-1][1] + text)   # the rest of a line sent in pieces
+        elif text:
+            parts.append((kind, text))
+
+    def shown(self, rank):
+        """The parts to show: all of them, or while live the last LIVE_LINES lines
+        (LIVE_CHARS at most), so that each live update costs the same however much
+        came before; the whole output is shown once when the cell ends."""
+        parts = self.parts[rank]
+        if not self.live:
+            return parts
+        kept, lines, size = [], 0, 0
+        for kind, chunk in reversed(parts):
+            if lines >= LIVE_LINES or size >= LIVE_CHARS:
+                kept.append(("note", "... (earlier lines: in full when the cell ends)\n"))
+                break
+            chunk, cut = chunk[-(LIVE_CHARS - size):], None
+            if chunk.count("\n") > LIVE_LINES - lines:   # keep only its last lines
+                cut = len(chunk)
+                for _ in range(LIVE_LINES - lines + 1):
+                    cut = chunk.rfind("\n", 0, cut)
+                chunk = chunk[cut + 1:]
+            kept.append((kind, chunk))
+            lines, size = lines + chunk.count("\n"), size + len(chunk)
+            if cut is not None:
+                kept.append(("note", "... (earlier lines: in full when the cell ends)\n"))
+                break
+        return kept[::-1]
 
     def text(self):
         lines = []
         for r in self.ranks:
-            for kind, chunk in self.parts[r]:
+            for kind, chunk in self.shown(r):
                 lead = f"[rank {r}] Out: " if kind == "value" else f"[rank {r}] "
                 for i, line in enumerate(chunk.rstrip("\n").split("\n")):
                     lines.append((lead if i == 0 else f"[rank {r}] ") + line)
@@ -75,12 +106,12 @@ class RanksOutput:
         cols = []
         for r in self.ranks:
             body = []
-            for kind, chunk in self.parts[r]:
+            for kind, chunk in self.shown(r):
                 t = html.escape(chunk.rstrip("\n"))
                 if kind == "value":
                     body.append(f"<pre style='margin:0'><span style='color:#57606a'>Out:</span> {t}</pre>")
                 else:
-                    color = {"error": RED, "stderr": AMBER}.get(kind, "inherit")
+                    color = {"error": RED, "stderr": AMBER, "note": "#57606a"}.get(kind, "inherit")
                     body.append(f"<pre style='margin:0;color:{color};white-space:pre-wrap'>{t}</pre>")
             cols.append("<div style='flex:1 1 0;min-width:14em;border-left:3px solid #d0d7de;"
                         "padding:0 .5em;overflow-x:auto'>"
@@ -128,8 +159,11 @@ class WorldStatus:
 
 
 def _show_status():
-    panel = WorldStatus(_world)
-    _panels[:] = [p for p in _panels if p.world is _world] + [panel]
+    """Show the world's status panel: one per world, shown again (not made anew) after a
+    restart, so the panels do not pile up and every view of it stays current."""
+    panel = next((p for p in _panels if p.world is _world), None) or WorldStatus(_world)
+    _panels[:] = [panel]
+    panel.refresh()
     display(panel)
 
 
@@ -160,20 +194,46 @@ def _cell_parser():
 
 
 def parse_ranks(text):
-    """"0,2" -> [0, 2]; "0-2" -> [0, 1, 2]; "all" or None -> None (every rank)."""
+    """"0,2" -> [range(0, 1), range(2, 3)]; "0-2" -> [range(0, 3)]; "all" or None ->
+    None (every rank). Ranges are never spelled out, so "0-99999999" costs nothing;
+    rank_list() checks them against a world."""
     if text is None or text == "all":
         return None
-    picked = []
-    try:
-        for part in text.split(","):
-            first, _, last = part.partition("-")
-            lo, hi = int(first), int(last) if last else int(first)
-            if hi < lo or first.strip() != first or last.strip() != last:
-                raise ValueError
-            picked.extend(range(lo, hi + 1))
-    except ValueError:
-        raise UsageError(f"%%ranks: RANKS must look like 0,2 or 0-2, got {text!r}.") from None
-    return picked
+    spans = []
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        if not (_whole(first) and (_whole(last) if dash else not last)):
+            raise UsageError(f"%%ranks: RANKS must look like 0,2 or 0-2, got {_short(text)}.")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise UsageError(f"%%ranks: the range {lo}-{hi} is empty; write it low to high, "
+                             f"like {hi}-{lo}.")
+        spans.append(range(lo, hi + 1))
+    return spans
+
+
+def rank_list(spans, world_size):
+    """The ranks `spans` (from parse_ranks) name, sorted, once each; UsageError with one
+    short sentence naming (at most a few of) those this world does not have."""
+    if spans is None:
+        return None
+    bad = [range(max(s.start, world_size), s.stop) for s in spans if s.stop > world_size]
+    if bad:
+        names = [str(b.start) if len(b) == 1 else f"{b.start}-{b.stop - 1}" for b in bad[:3]]
+        many = len(bad) > 1 or len(bad[0]) > 1
+        raise UsageError(f"%%ranks: {'Ranks' if many else 'Rank'} {', '.join(names)}"
+                         f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''} {'do' if many else 'does'} not "
+                         f"exist: this world has ranks 0-{world_size - 1}.")
+    return sorted({r for s in spans for r in s})
+
+
+def _whole(text):
+    """A plain whole number: digits only (no sign, spaces, '1e3' or 'inf'), at most 18."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
+def _short(text, limit=40):
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _split(line):
@@ -235,10 +295,11 @@ class RanksMagics(Magics):
 
     def _cell(self, argv, cell):
         a = _cell_parser().parse_args(argv)
-        ranks = parse_ranks(a.ranks)
+        spans = parse_ranks(a.ranks)
         w = _world
-        if w is None or w.state in ("stopping", "stopped"):
+        if w is None or w.state in ("starting", "stopping", "stopped"):
             raise UsageError("No world is running: start one with %ranks start.")
+        ranks = rank_list(spans, w.world_size)
         try:
             out = RanksOutput(w.pick_ranks(ranks))
         except ValueError as e:
@@ -286,7 +347,8 @@ class _Live:
         if now - self.t0 >= LIVE_AFTER_S and now - self.shown_at >= UPDATE_EVERY_S:
             self._show(now)
 
-    def _show(self, now):
+    def _show(self, now, live=True):
+        self.out.live = live
         if self.handle is None:
             self.handle = display(self.out, display_id=True)
         else:
@@ -299,13 +361,10 @@ class _Live:
                 if getattr(res, kind) is not None:
                     self.out.add(res.rank, kind, getattr(res, kind))
                     self.dirty = True
-        if self.handle is None or self.dirty:
-            self._show(time.monotonic())
+        if self.handle is None or self.dirty or self.out.live:
+            self._show(time.monotonic(), live=False)
 
 
 def register(ipython):
     ipython.register_magics(RanksMagics)
 
-
-def load_ipython_extension(ipython):
-    register(ipython)

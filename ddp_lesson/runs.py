@@ -13,10 +13,11 @@ import time
 from collections import deque
 from pathlib import Path
 
+from .metrics import TIME_KEYS   # a step's parts: one list, kept by metrics
+
 DEFAULT_BASE = "runs"
 MODEL_FILE = "model.pt"   # where a lesson script's rank 0 saves the trained weights
 STRAGGLER_FACTOR = 1.3
-TIME_KEYS = ("data_s", "compute_s", "wait_s")   # metrics.TIME_KEYS (script side)
 
 
 def new_run_dir(base=None, name="run"):

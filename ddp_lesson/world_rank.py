@@ -23,6 +23,8 @@ from multiprocessing.connection import Client
 
 KEY_FILE = "world.key"
 KEY_WAIT_S = 60
+GATHER_S = 0.02          # printed lines reach the kernel within this (one message)
+GATHER_BYTES = 1 << 16   # or sooner, once this much is waiting
 
 
 def _read_key(run_dir):
@@ -41,46 +43,91 @@ def _read_key(run_dir):
 
 
 class Channel:
-    """The connection to the kernel; several threads may print at once."""
+    """The connection to the kernel; several threads may print at once. A message goes
+    out whole: an Interrupt that comes while the cell's thread sends one is raised
+    right after it (a message cut in half would leave the kernel out of step)."""
 
     def __init__(self, conn):
         self.conn = conn
         self.lock = threading.Lock()
-        self.call = None  # the id of the cell running now, None between cells
+        self.call = None       # the id of the cell running now, None between cells
+        self.sending = False   # the main thread is inside conn.send
+        self.held = False      # an Interrupt came while it was
 
     def send(self, *msg):
+        main = threading.current_thread() is threading.main_thread()
         with self.lock:
-            self.conn.send(msg)
+            self.sending = main
+            try:
+                self.conn.send(msg)
+            finally:
+                self.sending = False
+        if main and self.held:
+            self.held = False
+            raise KeyboardInterrupt
+
+    def on_interrupt(self, signum, frame):
+        """SIGINT while a cell runs."""
+        if self.sending:
+            self.held = True
+        else:
+            raise KeyboardInterrupt
 
 
 class Stream(io.TextIOBase):
     """sys.stdout / sys.stderr of a rank: during a cell, whole lines go to the kernel as
     they are printed; between cells (a thread still printing) to the rank's log file.
-    What bypasses Python (a subprocess, C code writing to fd 1) goes to the log file too."""
+    What bypasses Python (a subprocess, C code writing to fd 1) goes to the log file too.
+
+    Lines are gathered for up to GATHER_S (or GATHER_BYTES) and sent as one message by a
+    thread of the stream's own: a cell printing many short lines then costs the kernel a
+    few messages, not one per line, and its Interrupt finds little queued before "done"."""
 
     def __init__(self, channel, name, fallback):
         super().__init__()
         self.channel, self.name, self.fallback = channel, name, fallback
-        self.buffer = ""
-        self.lock = threading.Lock()
+        self.parts, self.size = [], 0   # text not sent yet, in pieces (joined once: linear)
+        self.lock = threading.Lock()    # held from taking the text until it is sent: in order
+        self.waiting = threading.Event()
+        threading.Thread(target=self._gatherer, daemon=True, name=f"ddp-lesson-{name}").start()
 
     def write(self, text):
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if self.channel.call is None:
             return self.fallback.write(text)
         with self.lock:
-            self.buffer += text
-            cut = self.buffer.rfind("\n") + 1
-            chunk, self.buffer = self.buffer[:cut], self.buffer[cut:]
-        if chunk:
-            self.channel.send("out", self.channel.call, self.name, chunk)
+            self.parts.append(text)
+            self.size += len(text)
+            full = self.size >= GATHER_BYTES
+            if full:   # a line of over 1 MB goes out in pieces (no text is joined twice)
+                self._send_lines(everything=self.size >= 16 * GATHER_BYTES)
+        if not full and "\n" in text:
+            self.waiting.set()
         return len(text)
 
     def flush(self):
         with self.lock:
-            chunk, self.buffer = self.buffer, ""
-        if chunk and self.channel.call is not None:
-            self.channel.send("out", self.channel.call, self.name, chunk)
+            self._send_lines(everything=True)
         self.fallback.flush()
+
+    def _gatherer(self):
+        while True:
+            self.waiting.wait()
+            time.sleep(GATHER_S)
+            self.waiting.clear()
+            with self.lock:
+                self._send_lines()
+
+    def _send_lines(self, everything=False):
+        """Send the whole lines written so far (everything: the rest too); under self.lock."""
+        text = "".join(self.parts)
+        cut = len(text) if everything else text.rfind("\n") + 1
+        rest = text[cut:]
+        self.parts, self.size = ([rest] if rest else []), len(rest)
+        call = self.channel.call
+        if cut and call is not None:
+            self.channel.send("out", call, self.name, text[:cut])
 
     def isatty(self):
         return False
@@ -106,7 +153,7 @@ def _learner_traceback(e):
     return "".join(traceback.format_exception(type(e), e, tb))
 
 
-def run_cell(code, namespace, filename):
+def run_cell(code, namespace, filename, on_interrupt=signal.default_int_handler):
     """Run `code` like a notebook cell: everything, then the value of a trailing
     expression. Returns (repr of that value or None, traceback text or None)."""
     try:
@@ -114,7 +161,7 @@ def run_cell(code, namespace, filename):
         # register the source so tracebacks can show the cell's lines
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Interrupt reaches the cell
+        signal.signal(signal.SIGINT, on_interrupt)  # Interrupt reaches the cell
         try:
             exec(compile(tree, filename, "exec"), namespace)
             value = None
@@ -154,8 +201,7 @@ def main():
     channel = Channel(Client((host, int(port)), authkey=key))
     del key
     channel.send("hello", rank, os.getpid(), world_size, str(device))
-    sys.stdout = Stream(channel, "stdout", sys.__stdout__)
-    sys.stderr = Stream(channel, "stderr", sys.__stderr__)
+    out, err = Stream(channel, "stdout", sys.__stdout__), Stream(channel, "stderr", sys.__stderr__)
 
     namespace = {"__name__": "__main__", "__builtins__": builtins, "torch": torch,
                  "dist": dist, "rank": rank, "world_size": world_size, "device": device}
@@ -169,10 +215,13 @@ def main():
             break
         _, call, code = msg
         cells += 1
-        channel.call = call
-        value, error = run_cell(code, namespace, f"<rank {rank} cell {cells}>")
-        sys.stdout.flush()
-        sys.stderr.flush()
+        sys.stdout, sys.stderr = out, err   # each cell starts with them (one may replace them)
+        channel.call, channel.held = call, False
+        value, error = run_cell(code, namespace, f"<rank {rank} cell {cells}>", channel.on_interrupt)
+        channel.held = False
+        sys.stdout, sys.stderr = out, err
+        out.flush()
+        err.flush()
         channel.call = None
         channel.send("done", call, value, error)
     channel.conn.close()

@@ -73,7 +73,7 @@ def find_chromium():
     return None
 
 
-def make_notebook(path):
+def make_notebook(path, sources=(SETUP_CELL, PANEL_CELL)):
     def cell(source):
         return {"cell_type": "code", "execution_count": None, "id": f"c{abs(hash(source)) % 10**8}",
                 "metadata": {}, "outputs": [], "source": source.splitlines(keepends=True)}
@@ -81,7 +81,7 @@ def make_notebook(path):
         "cells": [
             {"cell_type": "markdown", "id": "intro", "metadata": {},
              "source": ["# Browser test\n", "Pick devices, press **Run**, watch the curves."]},
-            cell(SETUP_CELL), cell(PANEL_CELL),
+            *[cell(source) for source in sources],
         ],
         "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python",
                                     "name": "python3"},
@@ -379,3 +379,91 @@ def drive(lab, page, shot):
     wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
              "the kernel to come back")
     shot("third-run-kernel-restarted")
+
+
+# -- the live world: a %%ranks cell in JupyterLab -------------------------------------------
+WORLD_RANKS = 2
+WORLD_CELLS = (
+    "%load_ext ddp_lesson",
+    f"%ranks start -n {WORLD_RANKS} --cpu",
+    "%%ranks\nimport time\nfor i in range(8):\n    print(f'tick {i} from rank {rank}', flush=True)\n"
+    "    time.sleep(0.5)",
+    "%%ranks\n1 / (rank - (world_size - 1))",
+)
+
+
+@pytest.mark.timeout(600)
+def test_ranks_cell_in_jupyterlab(lab, page):
+    """Run all: the world starts with its status panel; a %%ranks cell's lines stream in
+    while it runs, one column per rank side by side; a rank that raises shows its
+    traceback in red; the panel's Stop ends every process of the world."""
+    make_notebook(lab.root / "ranks.ipynb", WORLD_CELLS)
+    shot = Shots(page, ARTIFACTS)
+    try:
+        drive_world(lab, page, shot)
+    except BaseException:
+        shot.save("world-failure")
+        raise
+
+
+def drive_world(lab, page, shot):
+    n = WORLD_RANKS
+    page.goto(f"{lab.url}/lab/tree/ranks.ipynb")
+    wait_for(page, page.locator(".jp-NotebookPanel .jp-Cell").nth(4), KERNEL_READY_S, "the notebook")
+    wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
+             "the kernel to start")
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
+
+    status = page.locator(".jp-Cell").nth(2).locator(".jp-OutputArea-output")
+    stop_button = status.locator("button.jupyter-widgets.widget-button").filter(has_text="Stop").first
+    wait_for(page, stop_button, KERNEL_READY_S + 120, "the world's status panel and its Stop button")
+    world_dir = poll(lambda: [d for d in run_dirs(lab.root) if "world" in d.name], 30,
+                     what="the world's run directory")[0]
+    ranks = procs.run_processes(world_dir)
+    assert ranks, "the world should have live processes once its panel shows"
+    shot("world-started")
+
+    # the streaming cell: early lines show while later ones are still to come
+    out = page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea-output")
+
+    def text():
+        try:
+            return " ".join(out.all_inner_texts())
+        except Exception:
+            return ""
+
+    seen = poll(lambda: (t := text()) and "tick 1 from rank 0" in t and t, 120, interval=0.1,
+                what="the first lines of the %%ranks cell")
+    assert "tick 7" not in seen, "the lines should show while the cell runs, not all at its end"
+    shot("world-streaming")
+    poll(lambda: all(f"tick 7 from rank {r}" in text() for r in range(n)), 60,
+         what="every rank's last line")
+    columns = out.locator("div[style*='border-left']")
+    assert columns.count() == n, f"one column per rank: found {columns.count()}"
+    boxes = [columns.nth(r).bounding_box() for r in range(n)]
+    assert all(abs(b["y"] - boxes[0]["y"]) < 5 for b in boxes), f"columns not side by side: {boxes}"
+    assert all(boxes[r]["x"] < boxes[r + 1]["x"] for r in range(n - 1)), boxes
+    for r in range(n):
+        col = columns.nth(r).inner_text()
+        assert f"rank {r}" in col and f"tick 0 from rank {r}" in col and f"tick 7 from rank {r}" in col
+        assert all(f"from rank {o}" not in col for o in range(n) if o != r), col
+    shot("world-side-by-side")
+
+    # the failing cell: the last rank's traceback in red, the others' value as usual
+    failing = page.locator(".jp-Cell").nth(4).locator(".jp-OutputArea-output")
+    error = failing.locator("pre", has_text="ZeroDivisionError").first
+    poll(lambda: error.count() and error.is_visible(), 60, what="the failing rank's traceback")
+    color = error.evaluate("e => getComputedStyle(e).color")
+    assert color == "rgb(207, 34, 46)", f"the traceback should be red, it is {color}"
+    assert "raised an exception" in " ".join(failing.all_inner_texts())
+    shot("world-error-red")
+
+    # Stop: every process of the world ends, and the panel says so
+    stop_button.click()
+    procs.wait_gone(ranks, timeout=STOP_S)
+    assert not [p.pid for p in ranks if procs.alive(p)], "processes of the world outlived Stop"
+    assert not procs.run_processes(world_dir), "processes of the world are still alive after Stop"
+    poll(lambda: "stopped" in " ".join(status.locator(".widget-html").all_inner_texts()), 30,
+         what="the status panel to say stopped")
+    shot("world-stopped")
