@@ -33,6 +33,8 @@ def launched(tmp_path_factory):
     started = {name: launch.start(SCRIPTS / script, nproc=2, cpu=True, args=args,
                                   run_dir=base / name, timeout=600)
                for name, (script, args) in CHECKS.items()}
+    for run in started.values():  # all finish before any test ends: conftest allows no live run
+        run.wait()
     yield started
     for run in started.values():
         run.stop()
