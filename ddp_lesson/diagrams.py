@@ -149,7 +149,7 @@ def ddp_timeline(events, title="one DDP step on rank 0"):
     by a run (for example: backward, then one all-reduce per bucket); rows are drawn top down in
     the order they first appear."""
     rows = list(dict.fromkeys(e[0] for e in events))
-    fig = Figure(figsize=(9, 0.9 + 0.55 * len(rows)))
+    fig = Figure(figsize=(9, 1.0 + 0.32 * len(rows)))
     ax = fig.subplots()
     t0 = min(e[1] for e in events)
     for k, (row, start, end, label) in enumerate(events):
