@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-RERUN = {"02_loss_averaging.ipynb", "03_ddp_torchrun.ipynb", "04_sync_batchnorm.ipynb",
+RERUN = {"02_loss_averaging.ipynb", "03_ddp_torchrun.ipynb", "03b_ddp_equals_one_process.ipynb",
+         "04_sync_batchnorm.ipynb",
          "05_gradient_accumulation.ipynb"}
 NPROC = 3
 

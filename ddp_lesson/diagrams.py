@@ -1,5 +1,9 @@
-"""Drawn diagrams for the first lessons: model parallel vs data parallel, and the four
-steps of nn.DataParallel (scatter, replicate, parallel_apply, gather).
+"""Drawn diagrams for the first lessons: model parallel vs data parallel, the four steps of
+nn.DataParallel (scatter, replicate, parallel_apply, gather), a DistributedSampler's shares,
+a DDP step's timeline and which accumulation steps all-reduce.
+
+Each figure is drawn from the data it is given (a real sampler's indices, a run's logged
+rows), never from a formula, so it stays right at any world size.
 
 Figures are matplotlib.figure.Figure objects (not pyplot), so nothing piles up in pyplot's
 list of open figures; a notebook shows one with `ddp_lesson.lesson.show(fig)`.
@@ -105,5 +109,84 @@ def data_parallel_steps(chunk_sizes=(2, 2, 1), devices=4, scalar_loss=False):
     _box(ax, 0.05, 0.15, 0.8, 0.5, gathered, c0)
     ax.text(1.0, 0.4, "backward runs the same way in reverse: gradients of the replicas\n"
             "are summed into the module's parameters on device_ids[0]", fontsize=8, va="center")
+    fig.tight_layout()
+    return fig
+
+
+def sampler_shares(n, rows):
+    """Which samples each rank gets. `rows` maps a title to the per-rank index lists of a real
+    DistributedSampler; a sample seen twice is red, a sample no rank sees is shown grey."""
+    fig = Figure(figsize=(1.2 + 0.55 * max(n, 1), 0.5 + 0.5 * sum(len(r) + 1.4 for r in rows.values())))
+    ax = fig.subplots()
+    ax.axis("off")
+    y = 0.0
+    for title, shares in rows.items():
+        seen = [i for share in shares for i in share]
+        ax.text(-1.4, y, title, fontsize=9, weight="bold", va="center")
+        y -= 0.8
+        for rank, share in enumerate(shares):
+            c = DEVICE_COLOURS[rank % len(DEVICE_COLOURS)]
+            ax.text(-1.4, y, f"rank {rank}", fontsize=9, color=c, va="center")
+            for k, i in enumerate(share):
+                twice = seen.count(i) > 1
+                _box(ax, k * 0.6, y - 0.25, 0.5, 0.5, str(i), "#C44E52" if twice else c,
+                     alpha=0.45 if twice else 0.2)
+            y -= 0.7
+        left_out = sorted(set(range(n)) - set(seen))
+        repeats = sorted({i for i in seen if seen.count(i) > 1})
+        ax.text(-1.4, y + 0.15, (f"repeated (red): {repeats}   " if repeats else "no repeats   ")
+                + (f"seen by no rank this epoch: {left_out}" if left_out else "every sample seen"),
+                fontsize=8, style="italic", va="center")
+        y -= 0.9
+    ax.set_xlim(-1.5, 0.6 * max(len(s) for r in rows.values() for s in r) + 0.2)
+    ax.set_ylim(y + 0.3, 0.5)
+    fig.tight_layout()
+    return fig
+
+
+def ddp_timeline(events, title="one DDP step on rank 0"):
+    """A step as bars on a time axis. `events` is a list of (row, start_s, end_s, label) measured
+    by a run (for example: backward, then one all-reduce per bucket); rows are drawn top down in
+    the order they first appear."""
+    rows = list(dict.fromkeys(e[0] for e in events))
+    fig = Figure(figsize=(9, 1.0 + 0.32 * len(rows)))
+    ax = fig.subplots()
+    t0 = min(e[1] for e in events)
+    for k, (row, start, end, label) in enumerate(events):
+        y = len(rows) - 1 - rows.index(row)
+        c = DEVICE_COLOURS[rows.index(row) % len(DEVICE_COLOURS)]
+        ax.barh(y, (end - start) * 1e3, left=(start - t0) * 1e3, height=0.6, color=c, alpha=0.6,
+                edgecolor=c)
+        if label:
+            ax.text((start - t0 + (end - start) / 2) * 1e3, y, label, ha="center", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(list(reversed(rows)), fontsize=9)
+    ax.set_xlabel("ms since the step's backward started")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def sync_strip(synced):
+    """Which micro-batches all-reduce. `synced[rank][k]` is True when micro-batch k of rank
+    `rank` ran an all-reduce (from a run's logged rows); one row per rank, one cell per
+    micro-batch."""
+    ranks, steps = len(synced), max(len(s) for s in synced)
+    fig = Figure(figsize=(1.6 + 0.45 * steps, 0.9 + 0.45 * ranks))
+    ax = fig.subplots()
+    for rank, row in enumerate(synced):
+        for k, on in enumerate(row):
+            _box(ax, k, ranks - 1 - rank, 0.8, 0.7, "AR" if on else "", "#C44E52" if on else "grey",
+                 alpha=0.55 if on else 0.1, fontsize=7)
+    ax.set_xlim(-0.2, steps)
+    ax.set_ylim(-0.2, ranks)
+    ax.set_yticks([ranks - 1 - r + 0.35 for r in range(ranks)])
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=9)
+    ax.set_xticks([k + 0.4 for k in range(steps)])
+    ax.set_xticklabels([str(k + 1) for k in range(steps)], fontsize=8)
+    ax.set_xlabel("micro-batch  (AR: its backward all-reduced)", fontsize=9)
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig

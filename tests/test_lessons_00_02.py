@@ -55,7 +55,7 @@ def dp(module, n):
     return simulate.DataParallel(module, device_ids=list(range(n)))
 
 
-def test_seed_loss_averaging_example_exactly():
+def test_common_loss_averaging_mistake_exactly():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = {n: dp(MeanLoss(), n)(PER_SAMPLE) for n in (1, 2, 3)}
@@ -108,8 +108,8 @@ def test_padded_sampler_accuracy_is_wrong_and_summed_counts_are_right():
     right = torch.tensor([1, 1, 0, 0, 0, 1, 0, 0, 1, 1], dtype=torch.bool)
     data = TensorDataset(torch.arange(n))
     samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=False) for r in range(world)]
-    seed_way = sum(right[list(s)].sum().item() for s in samplers) / samplers[0].total_size
-    assert samplers[0].total_size == 12 and seed_way == 7 / 12
+    padded_way = sum(right[list(s)].sum().item() for s in samplers) / samplers[0].total_size
+    assert samplers[0].total_size == 12 and padded_way == 7 / 12
     shards = [list(range(r, n, world)) for r in range(world)]
     assert sorted(i for s in shards for i in s) == list(range(n))      # every sample once
     mean_of_accuracies = sum(right[s].float().mean().item() for s in shards) / world
@@ -138,10 +138,10 @@ def test_dp_state_dict_prefix_and_optimizer_wrapping():
     if torch.cuda.device_count() == 1:
         pytest.skip("on a 1-GPU machine nn.DataParallel(optimizer) fails at construction")
     opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
-    seed_opt = nn.DataParallel(opt)
-    assert seed_opt.module is opt and len(seed_opt.state_dict()) == 0
+    wrapped_opt = nn.DataParallel(opt)
+    assert wrapped_opt.module is opt and len(wrapped_opt.state_dict()) == 0
     with pytest.raises(AttributeError):
-        seed_opt.step()
+        wrapped_opt.step()
 
 
 @pytest.mark.parametrize("batch,devices", [(5, 4), (6, 4), (3, 2), (1, 2)])

@@ -23,6 +23,7 @@ CHECKS = {
     "basic": ("ddp_basic.py", TINY),
     "syncbn_train": ("ddp_syncbn.py", TINY + ["--sync-bn"]),
     "accum_train": ("ddp_accum.py", TINY + ["--accum-steps", "3"]),
+    "checks": ("ddp_checks.py", []),
 }
 
 
@@ -32,6 +33,8 @@ def launched(tmp_path_factory):
     started = {name: launch.start(SCRIPTS / script, nproc=2, cpu=True, args=args,
                                   run_dir=base / name, timeout=600)
                for name, (script, args) in CHECKS.items()}
+    for run in started.values():  # all finish before any test ends: conftest allows no live run
+        run.wait()
     yield started
     for run in started.values():
         run.stop()
@@ -107,7 +110,7 @@ def test_accum_script_steps_once_per_window_including_partial(launched):
 
 
 def test_sync_bn_flag_takes_no_value():
-    # the seed's bug was type=bool, where `--sync-bn False` means True
+    # a common mistake is type=bool, where `--sync-bn False` means True
     out = subprocess.run([sys.executable, str(SCRIPTS / "ddp_syncbn.py"), "--sync-bn", "False"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unrecognized arguments: False" in out.stderr, out.stderr
@@ -161,3 +164,38 @@ def test_convert_sync_batchnorm_follows_where_the_model_lives(monkeypatch):
     model = syncbn.convert_sync_batchnorm(models.SmallCNN())
     kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
     assert kinds == {syncbn.CPUSyncBatchNorm}
+
+
+def test_ddp_checks_timeline_is_the_measured_overlap(launched):
+    # notebook 03b draws this: one bar per bucket all-reduce, the first inside backward
+    for r in finished(launched["checks"], "ddp_checks.json"):
+        small, one = r["overlap_small_buckets"], r["overlap_one_bucket"]
+        for o in (small, one):
+            assert len(o["timeline"]["all_reduces"]) == o["buckets"]
+            assert all(0 <= start <= end for start, end in o["timeline"]["all_reduces"])
+        assert small["timeline"]["all_reduces"][0][0] < small["timeline"]["backward_end"]
+        assert one["timeline"]["all_reduces"][0][0] >= one["timeline"]["backward_end"]
+
+
+def test_single_process_script_trains_and_counts_every_test_sample(tmp_path):
+    # notebook 03's diff starts from this script: it must run as it is, in one plain process
+    env = dict(os.environ, DDP_LESSON_RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(SCRIPTS.parent.parent))
+    (tmp_path / "metrics").mkdir()
+    out = subprocess.run([sys.executable, str(SCRIPTS / "train_single.py"), *TINY], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "test accuracy" in out.stdout and (tmp_path / "model.pt").exists()
+
+
+def test_single_to_ddp_diff_is_the_ddp_lines():
+    a = (SCRIPTS / "train_single.py").read_text().splitlines()
+    b = (SCRIPTS / "ddp_basic.py").read_text().splitlines()
+    diff = [l for l in difflib.unified_diff(a, b, lineterm="", n=0) if not l.startswith(("+++", "---"))]
+    added = "\n".join(l for l in diff if l.startswith("+"))
+    removed = "\n".join(l for l in diff if l.startswith("-"))
+    for needle in ("init_process_group", "DistributedSampler(", "DDP(model", "set_epoch", "barrier()",
+                   "destroy_process_group", "dist.all_reduce(counts)", "@record", "if rank == 0"):
+        assert needle in added and needle not in removed, needle
+    assert "shuffle=True" in removed          # the sampler shuffles instead of the loader
+    assert sum(l[:1] in "+-" for l in diff) <= 80

@@ -26,12 +26,16 @@ def overlap(device, ids, bucket_cap_mb):
     torch.manual_seed(0)
     layers = [nn.Linear(512, 512) for _ in range(8)]  # 1 MiB of weights each
     model = DDP(nn.Sequential(*layers).to(device), device_ids=ids, bucket_cap_mb=bucket_cap_mb)
-    stamps = {"launch": [], "first_layer_grad": None}
+    stamps = {"launch": [], "done": [], "first_layer_grad": None}
+
+    def finished(f):
+        stamps["done"].append(time.perf_counter())
+        return f.value()[0] / dist.get_world_size()
 
     def hook(state, bucket):  # called when a bucket of gradients is ready
         stamps["launch"].append(time.perf_counter())
         fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0] / dist.get_world_size())
+        return fut.then(finished)
 
     model.register_comm_hook(None, hook)
     layers[0].weight.register_hook(
@@ -39,10 +43,17 @@ def overlap(device, ids, bucket_cap_mb):
     x = torch.randn(64, 512, device=device)
     for _ in range(3):  # the first step builds the buckets; time the last one
         stamps["launch"].clear()
+        stamps["done"].clear()
         model.zero_grad()
-        model(x).square().mean().backward()
+        loss = model(x).square().mean()
+        start = time.perf_counter()
+        loss.backward()
     lead_ms = 1000 * (stamps["first_layer_grad"] - stamps["launch"][0])
-    return {"buckets": len(stamps["launch"]), "first_all_reduce_before_backward_done_ms": lead_ms}
+    # for a picture: seconds since backward started (the last layer's bucket comes first)
+    timeline = {"backward_end": stamps["first_layer_grad"] - start,
+                "all_reduces": [[a - start, b - start] for a, b in zip(stamps["launch"], stamps["done"])]}
+    return {"buckets": len(stamps["launch"]), "first_all_reduce_before_backward_done_ms": lead_ms,
+            "timeline": timeline}
 
 
 def buffers_broadcast(device, ids, rank, world, broadcast):

@@ -1,9 +1,10 @@
-"""Exercise (lesson 03): a new shuffle every epoch.
+"""Exercise (lesson 03): a shard per rank, a new shuffle every epoch.
 
     torchrun --standalone --nproc-per-node 2 ex_set_epoch.py
 Trains a small model for 3 epochs on 96 samples and logs, every step, which samples this
 rank trained on (`indices`), so a checker can read the order back from the run directory.
-Your job: one line, so that every epoch sees a different order.
+Your job: fix the two lines marked # EXERCISE, so that the ranks' shards are disjoint and
+cover the data, and every epoch sees a different order.
 """
 import os
 
@@ -31,7 +32,8 @@ def main():
 
     images, labels = data.shapes(SAMPLES, seed=0).tensors
     train_set = TensorDataset(images, labels, torch.arange(SAMPLES))  # each sample's index too
-    sampler = DistributedSampler(train_set, shuffle=True, seed=0)      # DDP: a shard per rank
+    rank = dist.get_rank()
+    sampler = DistributedSampler(train_set, shuffle=True, seed=rank)  # EXERCISE
     loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler)
     model = DDP(models.SmallCNN(width=8).to(device),
                 device_ids=[local_rank] if use_cuda else None)     # DDP

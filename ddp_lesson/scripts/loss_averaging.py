@@ -5,7 +5,7 @@
 Each rank logs its own loss every step. After backward, the loss is all-reduced FOR THE LOG
 ONLY (DDP already averaged the gradients; the loss that went into backward is untouched).
 Accuracy: each rank counts correct answers and samples; the counts are summed over ranks,
-then divided. The seed's way (divide by the padded DistributedSampler total_size) is logged
+then divided. A common mistake (divide by the padded DistributedSampler total_size) is logged
 beside it as test_accuracy_padded, to compare.
 """
 import argparse
@@ -59,7 +59,8 @@ def main():
     train_set = data.shapes(args.n_train, seed=0)
     test_set = data.shapes(args.n_test, seed=1)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    # drop_last=True: every rank's batch has the same size, so DDP's average is exact
+    # The sampler gives every rank ceil(N / world) samples, so the ranks' batches are equal at every
+    # step and DDP's average is exact; drop_last=True only drops each rank's short last batch.
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     model = models.SmallCNN(norm=False, width=8).to(device)
@@ -95,7 +96,7 @@ def main():
     dist.all_reduce(counts)
     correct, total = counts.tolist()
 
-    # The seed's way: a padded DistributedSampler, divided by its total_size.
+    # The common mistake: a padded DistributedSampler, divided by its total_size.
     padded = DistributedSampler(test_set, shuffle=False)
     padded_counts = count_correct(model.module, DataLoader(test_set, batch_size=256, sampler=padded),
                                   device)
@@ -106,7 +107,7 @@ def main():
         metrics.log(step, test_accuracy=correct / total, test_samples=int(total), correct=int(correct),
                     total=int(total), test_accuracy_padded=accuracy_padded, padded_total=padded.total_size)
         print(f"test accuracy {correct / total:.4f} ({int(correct)}/{int(total)}); "
-              f"seed's padded way {accuracy_padded:.4f} over {padded.total_size}", flush=True)
+              f"padded way {accuracy_padded:.4f} over {padded.total_size}", flush=True)
         run_dir = os.environ.get("DDP_LESSON_RUN_DIR")
         if run_dir:  # so the notebook can check the accuracy on one process
             torch.save(model.module.state_dict(), os.path.join(run_dir, "model.pt"))
