@@ -94,3 +94,56 @@ def check_no_sync(run_dir):
     assert len(sums) == world and all(math.isclose(s, sums[0], rel_tol=1e-9) for s in sums.values()), \
         "the ranks' weights differ at the end: every window's gradient must be all-reduced"
     return f"{windows} windows on each of {world} rank(s), one all-reduce each, at its last micro-batch"
+
+
+# -- lesson 09: the bucketed hook ---------------------------------------------------------
+_BUCKETED_HOOK = '''    def hook(self, p):
+        i, offset = self.where[p]
+        self.flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):    # the bucket's last gradient arrived
+            self.works[i] = dist.all_reduce(self.flat[i], async_op=%s)
+
+    def finish(self):
+        for i, bucket in enumerate(self.buckets):
+            %s
+            self.flat[i] /= dist.get_world_size()
+            for p in bucket:
+                offset = self.where[p][1]
+                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p))
+        self.ready = [0] * len(self.buckets)
+        self.works = [None] * len(self.buckets)
+'''
+
+
+def bucketed_solution(path, starter=None, blocking=False):
+    """09: write a solution of the bucketed-hook exercise to `path`: the starter file with
+    `hook` and `finish` written. blocking=True writes a wrong one whose hook waits for each
+    all-reduce (backward stalls on the network), which check_bucketed must reject."""
+    from pathlib import Path
+
+    from .lesson import SCRIPTS
+    text = Path(starter or SCRIPTS / "bucketed_exercise.py").read_text()
+    head = text[:text.index("    def hook(self, p):")]
+    body = _BUCKETED_HOOK % (("False", "pass") if blocking else ("True", "self.works[i].wait()"))
+    Path(path).write_text(head + body)
+    return path
+
+
+def check_bucketed(stage):
+    """09: a stage (d) result of ddp_scratch.check_stage (the learner's Bucketed beside torch
+    DDP). Returns (ok, why): the weights equal DDP's after every step, one async all-reduce
+    per bucket per step, each started during backward without blocking it."""
+    buckets = stage["buckets"]
+    n = len(buckets)
+    for i, st in enumerate(stage["steps"], 1):
+        if not st["allclose"]:
+            return False, f"step {i}: weights differ from torch DDP by {st['max_abs_diff']:.2e}"
+        if st["calls"] != n:
+            return False, f"step {i}: {st['calls']} all_reduce calls, expected one per bucket ({n})"
+        if st["calls_in_backward"] != n:
+            return False, f"step {i}: only {st['calls_in_backward']} of {n} all-reduces started during backward"
+        if st["blocking_in_backward"]:
+            return False, (f"step {i}: {st['blocking_in_backward']} all-reduces in the hook were blocking "
+                           f"(backward waited for the network); use async_op=True and wait in finish()")
+    return True, f"equal to torch DDP for {len(stage['steps'])} steps, {n} buckets, every all-reduce async in backward"

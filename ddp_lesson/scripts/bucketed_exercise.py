@@ -1,7 +1,8 @@
 """Exercise (lesson 09): write stage (d), the bucketed all-reduce, yourself.
 
-The buckets are laid out for you: parameters in reverse registration order (the order
-backward produces their gradients), a bucket closed once it holds >= bucket_bytes.
+The buckets are laid out for you: parameters in reverse registration order (for this model
+the order backward produces their gradients; torch DDP measures that order in its first
+step and rebuilds its buckets from it), a bucket closed once it holds >= bucket_bytes.
 Write `hook` (copy the gradient into its bucket; when the bucket's last gradient has
 arrived, start ONE async all_reduce of the bucket) and `finish` (wait for every bucket,
 average over ranks, copy back into each p.grad). The checker compares you with torch DDP.
