@@ -70,3 +70,24 @@ def test_dcp_checkpoint_loads_at_another_world_size(launched, other, tmp_path):
     assert loaded["max_diff_before_load"] > 1e-3
     assert loaded["max_diff_vs_saved"] == 0.0
     assert all(s == 3 for s in loaded["adam_steps_restored"])
+    assert loaded["adam_moments_restored"] and loaded["max_moment_diff_vs_saved"] == 0.0
+    assert loaded["min_moment_abs_max"] > 0
+
+
+def test_ddp_holds_a_bucket_copy_unless_gradients_are_bucket_views(launched):
+    v = finished(launched["shard"], "shard.json")
+    p = v["params"]
+    assert v["held"]["ddp"]["buckets"] == 4 * p and sum(v["held"]["ddp"].values()) == 20 * p
+    assert v["held"]["ddp_view"]["buckets"] == 0 and sum(v["held"]["ddp_view"].values()) == 16 * p
+
+
+def test_bytes_sent_zero_is_ddp_plus_broadcasts(launched):
+    v = finished(launched["shard"], "shard.json")
+    n, p, sent = v["world_size"], v["params"], v["sent_per_step"]
+    if n == 1:
+        pytest.skip("one rank sends nothing")
+    for s in sent["ddp"]:                                       # ring all-reduce of 4P bytes
+        assert 2 * (n - 1) / n * 4 * p <= s <= 2 * (n - 1) / n * 4 * p * 1.02 + 4096
+    ratio = sum(sent["zero"]) / sum(sent["ddp"])
+    assert 1.45 <= ratio <= 1.55, ratio                         # + (N-1) x 4P of broadcasts in all
+    assert sum(sent["fsdp"]) / sum(sent["ddp"]) > 1.45
