@@ -17,11 +17,15 @@ def launched(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs09")
     good = exercises.bucketed_solution(base / "bucketed_solution.py")
     blocking = exercises.bucketed_solution(base / "bucketed_blocking.py", blocking=True)
+    waiting = exercises.bucketed_solution(base / "bucketed_waiting.py", waiting=True)   # async, then wait()
+    one = base / "bucketed_one.py"        # a correct hook, but everything in one bucket of its own
+    one.write_text(good.read_text().replace("if size >= bucket_bytes:", "if False:"))
     started = {n: launch.start(SCRIPTS / "ddp_scratch.py", nproc=n, cpu=True, run_dir=base / f"scratch{n}",
                                args=["--stages", "a,b,c,d", "--bucketed", str(good),
                                      "--steps", "3", "--time-steps", "0", "--bucket-kb", "8"], timeout=600)
                for n in WORLDS}
-    for name, path in (("starter", SCRIPTS / "bucketed_exercise.py"), ("blocking", blocking)):
+    for name, path in (("starter", SCRIPTS / "bucketed_exercise.py"), ("blocking", blocking),
+                       ("waiting", waiting), ("one", one)):
         started[name] = launch.start(SCRIPTS / "ddp_scratch.py", nproc=2, cpu=True, run_dir=base / name,
                                      args=["--stages", "d", "--bucketed", str(path), "--steps", "2",
                                            "--time-steps", "0", "--bucket-kb", "8"], timeout=600)
@@ -78,12 +82,22 @@ def test_ddp_buckets_one_then_rebuilt_in_ready_order(launched, world):
 
 
 def test_exercise_checker_accepts_solution_rejects_starter_and_blocking(launched):
-    ok, why = exercises.check_bucketed(verdict(launched[2])["stages"]["d"])
-    assert ok, why
+    for world in WORLDS:
+        ok, why = exercises.check_bucketed(verdict(launched[world])["stages"]["d"])
+        assert ok, why
     ok, why = exercises.check_bucketed(verdict(launched["starter"])["stages"]["d"])
     assert not ok and "weights differ" in why, why
-    ok, why = exercises.check_bucketed(verdict(launched["blocking"])["stages"]["d"])
-    assert not ok and "blocking" in why, why
+    for name in ("blocking", "waiting"):    # async_op=False, or async_op=True and .wait() in the hook
+        ok, why = exercises.check_bucketed(verdict(launched[name])["stages"]["d"])
+        assert not ok and "backward waited" in why, (name, why)
+    ok, why = exercises.check_bucketed(verdict(launched["one"])["stages"]["d"])
+    assert not ok and "expected one per bucket" in why, why   # the layout is the checker's, not the learner's
+
+
+def test_bucket_layout_is_reverse_registration_closed_at_the_cap():
+    assert exercises.bucket_layout([4, 8, 4, 8], 12) == [[3, 2], [1, 0]]
+    assert exercises.bucket_layout([4, 8, 4, 8], 100) == [[3, 2, 1, 0]]
+    assert exercises.bucket_layout([4, 8, 4, 8], 1) == [[3], [2], [1], [0]]
 
 
 def test_stage_d_without_a_file_is_refused_before_starting(tmp_path):
@@ -105,3 +119,5 @@ def test_ring_all_reduce_equals_dist_all_reduce(launched, world):
     for row in rows:
         assert row["allclose"], row
         assert abs(row["bytes_sent"] - row["ring_bytes"]) <= 2 * 4, row   # 2(N-1)/N x size
+        # measured (/proc/self/io): the same bytes, plus a header per message
+        assert row["ring_bytes"] - 8 <= row["bytes_written"] <= row["ring_bytes"] + 8 + 512 + 256 * row["messages"], row

@@ -10,7 +10,8 @@
 (d) bucketed: a class Bucketed from the file --bucketed (the exercise of section 6).
 Each stage trains beside torch's DDP from the same (rank-dependent!) initial weights on the
 same data: the weights must be allclose after every step. all_reduce calls per step are
-counted (and whether each was made during backward, and with async_op=True); DDP's buckets
+counted with their sizes (and whether each was made during backward, and whether backward
+waited for it: async_op=False, or a wait() during backward); DDP's buckets
 are recorded by a comm hook (which parameters each held). Step times are measured in the
 same run. Rank 0 writes scratch.json to the run dir.
 """
@@ -84,16 +85,43 @@ class Counter:
     which also notes the parameters (indices in module.parameters()) of every bucket."""
     def __init__(self, process_group=None, index=None):
         self.process_group, self.calls, self.in_backward, self.blocking_in_backward = process_group, 0, 0, 0
-        self.index, self.buckets = index, []
+        self.index, self.buckets, self.numels = index, [], []
+
+
+def in_backward():
+    return torch._C._current_graph_task_id() != -1              # inside autograd's backward?
+
+
+class Watched:
+    """An async all_reduce's Work (and its future) that notes a wait() made during backward:
+    async_op=True followed by .wait() in the hook blocks backward just like async_op=False."""
+    def __init__(self, inner, count):
+        self._inner, self._count = inner, count
+
+    def wait(self, *args, **kwargs):
+        self._count.blocking_in_backward += in_backward()
+        return self._inner.wait(*args, **kwargs)
+
+    def value(self, *args, **kwargs):
+        self._count.blocking_in_backward += in_backward()
+        return self._inner.value(*args, **kwargs)
+
+    def get_future(self):
+        return Watched(self._inner.get_future(), self._count)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def counting(all_reduce, count):
     def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         count.calls += 1
-        in_backward = torch._C._current_graph_task_id() != -1    # launched during backward?
-        count.in_backward += in_backward
-        count.blocking_in_backward += in_backward and not async_op   # backward waits for it
-        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+        count.numels.append(tensor.numel())                       # what went on the wire
+        during = in_backward()                                     # launched during backward?
+        count.in_backward += during
+        count.blocking_in_backward += during and not async_op     # backward waits for it
+        work = all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return Watched(work, count) if async_op else work
     counted_all_reduce.count = count
     return counted_all_reduce
 
@@ -159,7 +187,9 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
     steps = []
     for x, y in batches:
         before, before_bw, before_bl = COUNT.calls, COUNT.in_backward, COUNT.blocking_in_backward
+        COUNT.numels = []
         train_step(ours_model, opt_ours, x, y, ours)
+        numels = sorted(COUNT.numels)
         calls, in_backward = COUNT.calls - before, COUNT.in_backward - before_bw
         ddp_before, hook_state.buckets = hook_state.calls, []
         train_step(ddp, opt_ddp, x, y)
@@ -168,11 +198,12 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # a mismatch on any rank fails the step
         steps.append({"allclose": bool(ok.item()), "max_abs_diff": diff,
                       "calls": calls, "calls_in_backward": in_backward,
-                      "blocking_in_backward": COUNT.blocking_in_backward - before_bl,
+                      "blocking_in_backward": COUNT.blocking_in_backward - before_bl, "numels": numels,
                       "ddp_calls": hook_state.calls - ddp_before, "ddp_buckets": hook_state.buckets})
     buckets = ([sorted(ours_index[id(p)] for p in b) for b in ours.buckets]
                if hasattr(ours, "buckets") else None)     # parameter indices, bucket by bucket
-    return {"stage": stage, "ranks_differed_before": differ_before, "ready_order": ready[:len(ours_index)],
+    return {"stage": stage, "ranks_differed_before": differ_before, "bucket_bytes": bucket_bytes,
+            "param_bytes": [q.numel() * q.element_size() for q in base.parameters()], "ready_order": ready[:len(ours_index)],
             "equal_after_broadcast": same_on_all_ranks(flat_weights(ours_model)),
             "allclose_every_step": all(s["allclose"] for s in steps), "steps": steps,
             "buckets": buckets}
