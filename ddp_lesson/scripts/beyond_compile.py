@@ -2,11 +2,13 @@
 
     torchrun --standalone --nproc-per-node 2 beyond_compile.py --steps 8
 1. Graph split: a backend that only counts the graphs it is given shows that Dynamo's
-   DDPOptimizer cuts the model's forward graph at DDP's bucket boundaries (one graph per
+   DDPOptimizer cuts the model's forward graph into pieces that mirror DDP's buckets (its own
+   bucketing of the graph's parameters, reverse order, DDP's bucket_bytes_cap, a 1 MiB first
    bucket), so each bucket's all-reduce can start while backward still runs; with
    torch._dynamo.config.optimize_ddp = False it is one graph. Both orders, DDP(compile(m))
-   and compile(DDP(m)), on a user-defined module; and compile(DDP(nn.Sequential)), where
-   Dynamo compiled no graph here (it does not trace into torch.nn's own Sequential).
+   and compile(DDP(m)), on a user-defined module. In compile(DDP(m)) Dynamo skips DDP's own
+   forward (torch.nn is on its skip list for the frames it starts at) and starts at the
+   user's forward; with a bare nn.Sequential every forward is torch.nn code, so no graph.
 2. Training: the compiled model trains like the eager one from the same start, within a
    stated tolerance. --backend auto: inductor on GPUs; aot_eager on CPU ranks (it captures
    the same graphs and splits them the same way, but generates no C++, which took minutes on
@@ -43,7 +45,8 @@ def parse_args():
 
 
 class MLP(nn.Module):
-    """A user-defined module, as real models are: Dynamo traces into its forward."""
+    """A user-defined module, as real models are: its forward is not torch.nn code, so Dynamo
+    starts a frame there even when DDP's forward (torch.nn code, skipped) calls it."""
     def __init__(self, hidden):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(3 * 16 * 16, hidden), nn.Linear(hidden, hidden),
