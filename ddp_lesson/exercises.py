@@ -94,3 +94,82 @@ def check_no_sync(run_dir):
     assert len(sums) == world and all(math.isclose(s, sums[0], rel_tol=1e-9) for s in sums.values()), \
         "the ranks' weights differ at the end: every window's gradient must be all-reduced"
     return f"{windows} windows on each of {world} rank(s), one all-reduce each, at its last micro-batch"
+
+
+# -- lesson 09: the bucketed hook ---------------------------------------------------------
+_BUCKETED_HOOK = '''    def hook(self, p):
+        i, offset = self.where[p]
+        self.flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):    # the bucket's last gradient arrived
+            %s
+
+    def finish(self):
+        for i, bucket in enumerate(self.buckets):
+            %s
+            self.flat[i] /= dist.get_world_size()
+            for p in bucket:
+                offset = self.where[p][1]
+                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p))
+        self.ready = [0] * len(self.buckets)
+        self.works = [None] * len(self.buckets)
+'''
+
+
+def bucketed_solution(path, starter=None, blocking=False, waiting=False):
+    """09: write a solution of the bucketed-hook exercise to `path`: the starter file with
+    `hook` and `finish` written. Wrong ones, which check_bucketed must reject: blocking=True
+    (the hook's all-reduce is async_op=False), waiting=True (async_op=True, then .wait() in
+    the hook): either way backward stalls on the network."""
+    from pathlib import Path
+
+    from .lesson import SCRIPTS
+    text = Path(starter or SCRIPTS / "bucketed_exercise.py").read_text()
+    head = text[:text.index("    def hook(self, p):")]
+    launch, wait = "self.works[i] = dist.all_reduce(self.flat[i], async_op=True)", "self.works[i].wait()"
+    if blocking:
+        launch, wait = "dist.all_reduce(self.flat[i])", "pass"
+    if waiting:
+        launch, wait = "dist.all_reduce(self.flat[i], async_op=True).wait()", "pass"
+    body = _BUCKETED_HOOK % (launch, wait)
+    Path(path).write_text(head + body)
+    return path
+
+
+def bucket_layout(param_bytes, cap):
+    """09: the exercise's buckets, as parameter indices: reverse registration order, a bucket
+    closed once it holds >= cap bytes (the rule DDP applies to the order it measured)."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(param_bytes))):
+        current.append(i)
+        size += param_bytes[i]
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def check_bucketed(stage):
+    """09: a stage (d) result of ddp_scratch.check_stage (the learner's Bucketed beside torch
+    DDP). Returns (ok, why): the weights equal DDP's after every step; one all-reduce per
+    bucket per step, of exactly the bucket's elements (the layout is computed here from the
+    parameters' sizes and the cap, not read from the learner's object); each started during
+    backward, which never waited for one (neither async_op=False nor a wait() in the hook)."""
+    expected = sorted(sum(stage["param_bytes"][i] for i in b) // 4    # fp32 elements per bucket
+                      for b in bucket_layout(stage["param_bytes"], stage["bucket_bytes"]))
+    n = len(expected)
+    for i, st in enumerate(stage["steps"], 1):
+        if not st["allclose"]:
+            return False, f"step {i}: weights differ from torch DDP by {st['max_abs_diff']:.2e}"
+        if st["calls"] != n:
+            return False, f"step {i}: {st['calls']} all_reduce calls, expected one per bucket ({n})"
+        if st["numels"] != expected:
+            return False, (f"step {i}: all-reduced tensors of {st['numels']} elements, expected the "
+                           f"buckets' {expected}: one flat tensor per bucket, as laid out")
+        if st["calls_in_backward"] != n:
+            return False, f"step {i}: only {st['calls_in_backward']} of {n} all-reduces started during backward"
+        if st["blocking_in_backward"]:
+            return False, (f"step {i}: backward waited for {st['blocking_in_backward']} all-reduce(s) "
+                           f"(blocking: async_op=False, or wait() in the hook); use async_op=True "
+                           f"and wait in finish()")
+    return True, f"equal to torch DDP for {len(stage['steps'])} steps, {n} buckets, every all-reduce async in backward"

@@ -1,6 +1,6 @@
-"""The sharding and checkpoint checks of notebook 10, as tests: the same scripts, launched
-through ddp_lesson.launch on gloo CPU ranks (DDP_LESSON_NPROC, else 2). Expectations come
-from each run's world size. The shard run and the checkpoint save start together."""
+"""The mixed-precision, compression, sharding and checkpoint checks of notebook 10, as tests:
+the same scripts, launched through ddp_lesson.launch on gloo CPU ranks (DDP_LESSON_NPROC,
+else 2). Expectations come from each run's world size. All first launches start together."""
 import json
 import math
 
@@ -26,6 +26,10 @@ def launched(tmp_path_factory):
         "save": launch.start(SCRIPTS / "beyond_dcp.py", cpu=True, args=["--save", str(ckpt)],
                              run_dir=base / "save", timeout=300),
     }
+    started["amp"] = launch.start(SCRIPTS / "beyond_amp.py", cpu=True, run_dir=base / "amp", timeout=300,
+                                  args=["--precision", "fp16", "--steps", "2", "--batch-size", "8", "--max-norm", "0.2"])
+    started["compress"] = launch.start(SCRIPTS / "beyond_compress.py", cpu=True, args=["--steps", "3"],
+                                       run_dir=base / "compress", timeout=300)
     started["ckpt"] = ckpt
     yield started
     for run in started.values():
@@ -70,3 +74,45 @@ def test_dcp_checkpoint_loads_at_another_world_size(launched, other, tmp_path):
     assert loaded["max_diff_before_load"] > 1e-3
     assert loaded["max_diff_vs_saved"] == 0.0
     assert all(s == 3 for s in loaded["adam_steps_restored"])
+    assert loaded["adam_moments_restored"] and loaded["max_moment_diff_vs_saved"] == 0.0
+    assert loaded["min_moment_abs_max"] > 0
+
+
+def test_ddp_holds_a_bucket_copy_unless_gradients_are_bucket_views(launched):
+    v = finished(launched["shard"], "shard.json")
+    p = v["params"]
+    assert v["held"]["ddp"]["buckets"] == 4 * p and sum(v["held"]["ddp"].values()) == 20 * p
+    assert v["held"]["ddp_view"]["buckets"] == 0 and sum(v["held"]["ddp_view"].values()) == 16 * p
+
+
+def test_bytes_sent_zero_is_ddp_plus_broadcasts(launched):
+    v = finished(launched["shard"], "shard.json")
+    n, p, sent = v["world_size"], v["params"], v["sent_per_step"]
+    if n == 1:
+        pytest.skip("one rank sends nothing")
+    for s in sent["ddp"]:                                       # ring all-reduce of 4P bytes
+        assert 2 * (n - 1) / n * 4 * p <= s <= 2 * (n - 1) / n * 4 * p * 1.02 + 4096
+    ratio = sum(sent["zero"]) / sum(sent["ddp"])
+    assert 1.45 <= ratio <= 1.55, ratio                         # + (N-1) x 4P of broadcasts in all
+    assert 1.9 <= sum(sent["fsdp"]) / sum(sent["ddp"]) <= 2.1   # gloo's reduce-scatter is an all-reduce
+
+
+def test_fp16_with_grad_scaler_clips_the_unscaled_gradient_to_max_norm(launched):
+    v = finished(launched["amp"], "amp.json")
+    assert v["precision"] == "fp16" and v["scaler"] and v["activation_dtype"] == "torch.float16"
+    clipped = [s for s in v["steps"] if s["stepped"] and s["norm_before_clip"] > v["max_norm"]]
+    assert clipped
+    for s in clipped:      # clipping before unscale_ would leave max_norm / S (S = 65536)
+        assert math.isclose(s["norm_after_clip"], v["max_norm"], rel_tol=1e-3), s
+        assert s["same_on_all_ranks"]
+
+
+def test_compress_hooks_halve_the_bytes_written(launched):
+    v = finished(launched["compress"], "compress.json")
+    n, r = v["world_size"], v["runs"]
+    if n == 1:
+        pytest.skip("one rank sends nothing")
+    ring = 2 * (n - 1) / n * v["gradient_bytes"]
+    assert ring <= r["fp32"]["wire_bytes_per_step"] <= 1.02 * ring + 2048
+    for name in ("fp16", "bf16"):
+        assert 0.45 <= r[name]["wire_bytes_per_step"] / r["fp32"]["wire_bytes_per_step"] <= 0.55, name

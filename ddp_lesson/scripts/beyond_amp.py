@@ -4,8 +4,9 @@
 auto: bf16 on CPU ranks; fp16 with a GradScaler on GPUs. Per optimizer step:
   micro-batches under no_sync() but the last (the last backward all-reduces),
   scaler.unscale_ (so clipping sees true gradients), clip_grad_norm_, scaler.step, update.
-Every rank all-gathers a fingerprint of its clipped gradient: equal on all ranks, because
-clipping runs after the all-reduce on the same averaged gradient. Writes amp.json.
+(--precision fp16 runs the GradScaler on CPU ranks too.) Every rank all-gathers a fingerprint
+of its clipped gradient: equal on all ranks, because clipping runs after the all-reduce on
+the same averaged gradient. Writes amp.json.
 """
 import argparse
 import contextlib
@@ -81,14 +82,15 @@ def main():
         prints = fingerprint(model)
         gathered = [torch.zeros_like(prints) for _ in range(world)]
         dist.all_gather(gathered, prints)                  # every rank's clipped gradient
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
         scaler.step(opt)                                   # skips the step if grads hold inf/nan
-        scaler.update()
+        scaler.update()                                    # and then halves the scale
         opt.zero_grad(set_to_none=True)
         same = all(torch.equal(g, gathered[0]) for g in gathered)
         metrics.log(step, loss=loss.item() * k, grad_norm=norm.item())
         out["steps"].append({"loss": loss.item() * k, "norm_before_clip": norm.item(),
                              "norm_after_clip": prints[0].item(), "same_on_all_ranks": same,
-                             "scale": scaler.get_scale() if scaler.is_enabled() else 1.0})
+                             "scale": scale, "stepped": not (scaler.is_enabled() and scaler.get_scale() < scale)})
     out["activation_dtype"] = str(logits.dtype)
     out["loss_dtype"] = str(loss.dtype)
     out["param_dtype"] = str(next(model.parameters()).dtype)

@@ -2,9 +2,13 @@
 
     torchrun --standalone --nproc-per-node 2 beyond_compile.py --steps 8
 1. Graph split: a backend that only counts the graphs it is given shows that Dynamo's
-   DDPOptimizer cuts the model's forward graph at DDP's bucket boundaries (one graph per
+   DDPOptimizer cuts the model's forward graph into pieces that mirror DDP's buckets (its own
+   bucketing of the graph's parameters, reverse order, DDP's bucket_bytes_cap, a 1 MiB first
    bucket), so each bucket's all-reduce can start while backward still runs; with
-   torch._dynamo.config.optimize_ddp = False it is one graph.
+   torch._dynamo.config.optimize_ddp = False it is one graph. Both orders, DDP(compile(m))
+   and compile(DDP(m)), on a user-defined module. In compile(DDP(m)) Dynamo skips DDP's own
+   forward (torch.nn is on its skip list for the frames it starts at) and starts at the
+   user's forward; with a bare nn.Sequential every forward is torch.nn code, so no graph.
 2. Training: the compiled model trains like the eager one from the same start, within a
    stated tolerance. --backend auto: inductor on GPUs; aot_eager on CPU ranks (it captures
    the same graphs and splits them the same way, but generates no C++, which took minutes on
@@ -40,11 +44,29 @@ def parse_args():
     return p.parse_args()
 
 
-def mlp(hidden):
+class MLP(nn.Module):
+    """A user-defined module, as real models are: its forward is not torch.nn code, so Dynamo
+    starts a frame there even when DDP's forward (torch.nn code, skipped) calls it."""
+    def __init__(self, hidden):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3 * 16 * 16, hidden), nn.Linear(hidden, hidden),
+                                     nn.Linear(hidden, hidden), nn.Linear(hidden, 10)])
+
+    def forward(self, x):
+        x = x.flatten(1)
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def mlp(hidden, sequential=False):
+    """The MLP; sequential=True: the same layers as a bare nn.Sequential (torch.nn's own code)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, hidden), nn.ReLU(),
-                         nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    model = MLP(hidden)
+    if sequential:
+        l1, l2, l3, l4 = model.layers
+        return nn.Sequential(nn.Flatten(), l1, nn.ReLU(), l2, nn.ReLU(), l3, nn.ReLU(), l4)
+    return model
 
 
 class Buckets:
@@ -103,8 +125,8 @@ def main():
         model.register_comm_hook(state, count_buckets)
         return model, state
 
-    def compiled_ddp(backend):              # torch.compile(DDP(model)): the form the docs show
-        model = DDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
+    def compiled_ddp(backend, inner=base):  # torch.compile(DDP(model)): the form the docs show
+        model = DDP(copy.deepcopy(inner), device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
         state = Buckets()
         model.register_comm_hook(state, count_buckets)
         return torch.compile(model, backend=backend), state
@@ -113,10 +135,13 @@ def main():
            "param_mb": sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20}
     split, buckets = graphs_of(ddp_of_compiled, True, x0, y0)
     whole, _ = graphs_of(ddp_of_compiled, False, x0, y0)
-    outer, _ = graphs_of(compiled_ddp, True, x0, y0)
+    outer, outer_buckets = graphs_of(compiled_ddp, True, x0, y0)
+    seq, _ = graphs_of(lambda backend: compiled_ddp(backend, mlp(args.hidden, sequential=True).to(device)),
+                       True, x0, y0)
     out["split"] = {"graphs": len(split), "ops_per_graph": split, "ddp_buckets": buckets}
     out["no_split"] = {"graphs": len(whole), "ops_per_graph": whole}
-    out["compile_of_ddp"] = {"graphs": len(outer), "ops_per_graph": outer}
+    out["compile_of_ddp"] = {"graphs": len(outer), "ops_per_graph": outer, "ddp_buckets": outer_buckets}
+    out["compile_of_ddp_sequential"] = {"graphs": len(seq), "ops_per_graph": seq}
 
     cxx = compiler()
     backend = args.backend if args.backend != "auto" else ("inductor" if use_cuda else "aot_eager")

@@ -3,7 +3,9 @@
     torchrun --standalone --nproc-per-node 2 beyond_compress.py --steps 40
 Trains the same model from the same start on the same data three times: DDP's default
 (fp32 all-reduce), fp16_compress_hook and bf16_compress_hook. A wrapper around each hook
-counts the bytes that really go into dist.all_reduce. Writes compress.json.
+counts the bytes of the tensors it hands to dist.all_reduce, and on gloo the bytes this
+process really wrote to its sockets during backward (/proc/self/io), where DDP's all-reduces
+run and finish. Writes compress.json.
 """
 import argparse
 import copy
@@ -19,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_lesson import data, metrics, models
 
 HOOKS = {"fp32": default_hooks.allreduce_hook,          # what DDP does without a hook
-         "fp16": default_hooks.fp16_compress_hook,      # cast to fp16, all-reduce, cast back
+         "fp16": default_hooks.fp16_compress_hook,      # cast to fp16, divide by N, all-reduce, cast back
          "bf16": default_hooks.bf16_compress_hook}
 
 
@@ -53,6 +55,15 @@ def counting_hook(state, bucket):
         dist.all_reduce = real_all_reduce
 
 
+def bytes_written():
+    """Bytes this process has written (gloo's sockets among them); None where /proc has no io."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+    except OSError:
+        return None
+
+
 def main():
     args = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -75,12 +86,15 @@ def main():
         state = Counted(hook)
         model.register_comm_hook(state, counting_hook)   # DDP calls it once per gradient bucket
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        losses = []
+        losses, wire = [], 0
         for step in range(args.steps):
             i = (step * world + rank) * b                  # this rank's slice of the global batch
             x, y = x_all[i:i + b].to(device), y_all[i:i + b].to(device)
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            w0 = bytes_written()
+            loss.backward()                                # DDP's all-reduces start and end in here
+            if w0 is not None:
+                wire += bytes_written() - w0
             opt.step()
             opt.zero_grad(set_to_none=True)
             logged = loss.detach().clone()
@@ -89,7 +103,8 @@ def main():
             metrics.log(step, **{f"loss_{name}": losses[-1]})
         weights[name] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
         out["runs"][name] = {"losses": losses, "allreduce_calls": state.calls, "bytes": state.bytes,
-                             "bytes_per_step": state.bytes / args.steps}
+                             "bytes_per_step": state.bytes / args.steps,
+                             "wire_bytes_per_step": wire / args.steps if not use_cuda else None}
     for name in HOOKS:
         out["runs"][name]["max_weight_diff_vs_fp32"] = (weights[name] - weights["fp32"]).abs().max().item()
     if rank == 0:

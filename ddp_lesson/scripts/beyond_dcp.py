@@ -49,6 +49,12 @@ def full_state(model):
     return {k: v.full_tensor().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def full_moments(model, opt):
+    """Adam's two moments of every parameter, whole (gathered from all ranks), on CPU."""
+    return {f"{name}.{m}": opt.state[p][m].full_tensor().cpu().clone()
+            for name, p in model.named_parameters() for m in ("exp_avg", "exp_avg_sq")}
+
+
 def main():
     args = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -75,6 +81,9 @@ def main():
         mine = {k: v.to_local().numel() for k, v in model.state_dict().items()}  # rank 0's share
         if rank == 0:
             torch.save(reference, os.path.join(args.save, "reference_full.pt"))
+        moments = full_moments(model, opt)                # a collective: every rank calls it
+        if rank == 0:
+            torch.save(moments, os.path.join(args.save, "reference_moments.pt"))
             out = {"world_size": world, "files": sorted(os.listdir(args.save)),
                    "floats_total": sum(v.numel() for v in reference.values()),
                    "floats_on_rank0": sum(mine.values())}
@@ -91,11 +100,17 @@ def main():
         after = full_state(model)
         reference = torch.load(os.path.join(args.load, "reference_full.pt"), weights_only=True)
         steps = [s["step"].item() for s in opt.state.values()]
+        moments = full_moments(model, opt)                # the new Adam had none before the load
+        saved_moments = torch.load(os.path.join(args.load, "reference_moments.pt"), weights_only=True)
         if rank == 0:
             out = {"world_size": world,
                    "max_diff_vs_saved": max((after[k] - reference[k]).abs().max().item() for k in reference),
                    "max_diff_before_load": max((before[k] - reference[k]).abs().max().item() for k in reference),
                    "adam_steps_restored": steps,
+                   "adam_moments_restored": sorted(moments) == sorted(saved_moments),
+                   "max_moment_diff_vs_saved": max((moments[k] - saved_moments[k]).abs().max().item()
+                                                   for k in saved_moments),
+                   "min_moment_abs_max": min(v.abs().max().item() for v in saved_moments.values()),
                    "local_shapes": {k: list(v.to_local().shape) for k, v in model.state_dict().items()}}
             with open(os.path.join(run_dir, "dcp_load.json"), "w") as f:
                 json.dump(out, f, indent=1)

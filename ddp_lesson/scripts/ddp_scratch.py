@@ -1,16 +1,19 @@
 """Lesson 09: DDP built from scratch in four stages, each checked against torch's DDP.
 
-    torchrun --standalone --nproc-per-node 2 ddp_scratch.py --stages a,b,c,d --steps 4
+    torchrun --standalone --nproc-per-node 2 ddp_scratch.py --stages a,b,c --steps 4
+    torchrun ... ddp_scratch.py --stages d --bucketed bucketed_exercise.py   # your stage (d)
 
 (a) broadcast the parameters once, then one all_reduce per parameter after backward;
 (b) one all_reduce of all gradients flattened into one tensor;
 (c) overlapped: each gradient's all_reduce starts (async) the moment backward has
     accumulated it, from register_post_accumulate_grad_hook; all are waited before step();
-(d) bucketed: gradients packed into buckets of --bucket-kb, in reverse registration order
-    (the order backward produces them, as DDP does); one async all_reduce per full bucket.
+(d) bucketed: a class Bucketed from the file --bucketed (the exercise of section 6).
 Each stage trains beside torch's DDP from the same (rank-dependent!) initial weights on the
 same data: the weights must be allclose after every step. all_reduce calls per step are
-counted, step times measured in the same run. Rank 0 writes scratch.json to the run dir.
+counted with their sizes (and whether each was made during backward, and whether backward
+waited for it: async_op=False, or a wait() during backward); DDP's buckets
+are recorded by a comm hook (which parameters each held). Step times are measured in the
+same run. Rank 0 writes scratch.json to the run dir.
 """
 import argparse
 import copy
@@ -75,63 +78,50 @@ class Overlapped:                                                      # stage (
         self.pending = []
 
 
-class Bucketed:                                                        # stage (d)
-    def __init__(self, model, bucket_bytes):
-        broadcast_parameters(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets, current, size = [], [], 0
-        for p in reversed(params):         # backward produces the last layer's grads first
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:       # full: close it (DDP's rule, a bucket may overshoot)
-                self.buckets.append(current)
-                current, size = [], 0
-        if current:
-            self.buckets.append(current)
-        self.where = {}                    # parameter -> (bucket, offset in the bucket)
-        for i, bucket in enumerate(self.buckets):
-            offset = 0
-            for p in bucket:
-                self.where[p] = (i, offset)
-                offset += p.numel()
-        self.flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                     for b in self.buckets]
-        self.ready = [0] * len(self.buckets)
-        self.works = [None] * len(self.buckets)
-        for p in params:
-            p.register_post_accumulate_grad_hook(self.hook)
-
-    def hook(self, p):
-        i, offset = self.where[p]
-        self.flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-        self.ready[i] += 1
-        if self.ready[i] == len(self.buckets[i]):    # last gradient of this bucket arrived
-            self.works[i] = dist.all_reduce(self.flat[i], async_op=True)
-
-    def finish(self):
-        for i, bucket in enumerate(self.buckets):
-            self.works[i].wait()
-            self.flat[i] /= dist.get_world_size()
-            for p in bucket:
-                offset = self.where[p][1]
-                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p))
-        self.ready = [0] * len(self.buckets)
-        self.works = [None] * len(self.buckets)
-
-
 # -- the harness: counting, checking against torch DDP, timing ------------------------
 class Counter:
     """Counts all_reduce calls: ours call dist.all_reduce by name (wrapped below); torch's
-    DDP calls it from C++, so it is counted by a communication hook (one call per bucket)."""
-    def __init__(self, process_group=None):
-        self.process_group, self.calls, self.in_backward = process_group, 0, 0
+    DDP calls it from C++, so it is counted by a communication hook (one call per bucket),
+    which also notes the parameters (indices in module.parameters()) of every bucket."""
+    def __init__(self, process_group=None, index=None):
+        self.process_group, self.calls, self.in_backward, self.blocking_in_backward = process_group, 0, 0, 0
+        self.index, self.buckets, self.numels = index, [], []
+
+
+def in_backward():
+    return torch._C._current_graph_task_id() != -1              # inside autograd's backward?
+
+
+class Watched:
+    """An async all_reduce's Work (and its future) that notes a wait() made during backward:
+    async_op=True followed by .wait() in the hook blocks backward just like async_op=False."""
+    def __init__(self, inner, count):
+        self._inner, self._count = inner, count
+
+    def wait(self, *args, **kwargs):
+        self._count.blocking_in_backward += in_backward()
+        return self._inner.wait(*args, **kwargs)
+
+    def value(self, *args, **kwargs):
+        self._count.blocking_in_backward += in_backward()
+        return self._inner.value(*args, **kwargs)
+
+    def get_future(self):
+        return Watched(self._inner.get_future(), self._count)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def counting(all_reduce, count):
-    def counted_all_reduce(tensor, *args, **kwargs):
+    def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         count.calls += 1
-        count.in_backward += torch._C._current_graph_task_id() != -1   # launched during backward?
-        return all_reduce(tensor, *args, **kwargs)
+        count.numels.append(tensor.numel())                       # what went on the wire
+        during = in_backward()                                     # launched during backward?
+        count.in_backward += during
+        count.blocking_in_backward += during and not async_op     # backward waits for it
+        work = all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return Watched(work, count) if async_op else work
     counted_all_reduce.count = count
     return counted_all_reduce
 
@@ -144,6 +134,7 @@ COUNT = dist.all_reduce.count
 def counting_hook(state, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     state.calls += 1
+    state.buckets.append(sorted(state.index[p.data_ptr()] for p in bucket.parameters()))
     return allreduce_hook(state.process_group, bucket)
 
 
@@ -166,6 +157,8 @@ def make(stage, model, bucket_bytes, impl):
         return Flattened(model)
     if stage == "c":
         return Overlapped(model)
+    if impl is None:
+        raise SystemExit("stage (d) is the exercise: pass --bucketed FILE (a file with a class Bucketed)")
     return impl(model, bucket_bytes)
 
 
@@ -183,28 +176,37 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
     differ_before = not same_on_all_ranks(flat_weights(ours_model))
     ours = make(stage, ours_model, bucket_bytes, impl)
     ddp = DDP(ddp_model, bucket_cap_mb=bucket_bytes / 2 ** 20)
-    hook_state = Counter()
+    hook_state = Counter(index={p.data_ptr(): i for i, p in enumerate(ddp.module.parameters())})
     ddp.register_comm_hook(hook_state, counting_hook)
+    ours_index = {id(p): i for i, p in enumerate(ours_model.parameters())}
+    ready = []                             # the order backward finishes the gradients in
+    for i, q in enumerate(ours_model.parameters()):
+        q.register_post_accumulate_grad_hook(lambda q, i=i: ready.append(i))
     opt_ours = torch.optim.SGD(ours_model.parameters(), lr=0.05, momentum=0.9)
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     steps = []
     for x, y in batches:
-        before, before_bw = COUNT.calls, COUNT.in_backward
+        before, before_bw, before_bl = COUNT.calls, COUNT.in_backward, COUNT.blocking_in_backward
+        COUNT.numels = []
         train_step(ours_model, opt_ours, x, y, ours)
+        numels = sorted(COUNT.numels)
         calls, in_backward = COUNT.calls - before, COUNT.in_backward - before_bw
-        ddp_before = hook_state.calls
+        ddp_before, hook_state.buckets = hook_state.calls, []
         train_step(ddp, opt_ddp, x, y)
         diff = (flat_weights(ours_model) - flat_weights(ddp.module)).abs().max().item()
         ok = torch.tensor([float(diff <= 1e-5)])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # a mismatch on any rank fails the step
         steps.append({"allclose": bool(ok.item()), "max_abs_diff": diff,
                       "calls": calls, "calls_in_backward": in_backward,
-                      "ddp_calls": hook_state.calls - ddp_before})
-    buckets = [len(b) for b in ours.buckets] if hasattr(ours, "buckets") else None
-    return {"stage": stage, "ranks_differed_before": differ_before,
+                      "blocking_in_backward": COUNT.blocking_in_backward - before_bl, "numels": numels,
+                      "ddp_calls": hook_state.calls - ddp_before, "ddp_buckets": hook_state.buckets})
+    buckets = ([sorted(ours_index[id(p)] for p in b) for b in ours.buckets]
+               if hasattr(ours, "buckets") else None)     # parameter indices, bucket by bucket
+    return {"stage": stage, "ranks_differed_before": differ_before, "bucket_bytes": bucket_bytes,
+            "param_bytes": [q.numel() * q.element_size() for q in base.parameters()], "ready_order": ready[:len(ours_index)],
             "equal_after_broadcast": same_on_all_ranks(flat_weights(ours_model)),
             "allclose_every_step": all(s["allclose"] for s in steps), "steps": steps,
-            "bucket_sizes": buckets}
+            "buckets": buckets}
 
 
 def time_stage(stage, base, batches, bucket_bytes, impl, rounds=3):
@@ -235,15 +237,17 @@ def load_bucketed(path):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--stages", default="a,b,c,d")
+    p.add_argument("--stages", default="a,b,c")
     p.add_argument("--steps", type=int, default=4, help="steps checked against torch DDP")
     p.add_argument("--time-steps", type=int, default=4, help="steps per timing round; 0: no timing")
     p.add_argument("--bucket-kb", type=float, default=16)
     p.add_argument("--width", type=int, default=16, help="SmallCNN width (more: bigger gradients)")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
-    p.add_argument("--bucketed", default=None, help="file with a class Bucketed to check instead of ours")
+    p.add_argument("--bucketed", default=None, help="file with a class Bucketed: stage (d)")
     p.add_argument("--out", default="scratch.json")
     a = p.parse_args()
+    if "d" in a.stages.split(",") and not a.bucketed:
+        p.error("stage d is the exercise: pass --bucketed FILE, a file with a class Bucketed")
     dist.init_process_group("gloo")       # CPU ranks; the comparison is about arithmetic, not speed
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)                # different initial weights on every rank, on purpose
@@ -251,10 +255,11 @@ def main():
     x, y = data.shapes(a.batch_size * max(a.steps, a.time_steps), seed=100 + rank).tensors  # this rank's data
     n = max(a.steps, a.time_steps)
     batches = list(zip(x.chunk(n), y.chunk(n)))
-    impl = load_bucketed(a.bucketed) if a.bucketed else Bucketed
+    impl = load_bucketed(a.bucketed) if a.bucketed else None
     bucket_bytes = int(a.bucket_kb * 1024)
     out = {"world_size": world, "bucket_bytes": bucket_bytes, "width": a.width,
            "parameters": len(list(base.parameters())),
+           "param_bytes": [q.numel() * q.element_size() for q in base.parameters()],
            "gradient_bytes": sum(q.numel() * q.element_size() for q in base.parameters()), "stages": {}}
     for stage in a.stages.split(","):
         v = check_stage(stage, base, batches[:a.steps], bucket_bytes, impl)

@@ -5,8 +5,8 @@ does not divide it). Rank r sends to rank r+1 and receives from rank r-1, in two
   1. reduce-scatter, N-1 steps: pass a chunk on, add the chunk that arrives to your own.
      Afterwards rank r holds the full sum of chunk (r+1) mod N.
   2. all-gather, N-1 steps: pass the finished chunks around the ring, overwriting.
-Each rank sends 2(N-1) chunks: 2(N-1)/N x the tensor's bytes, whatever N is. That is
-why a ring's time barely grows with the number of ranks.
+Each rank sends 2(N-1) chunks: 2(N-1)/N x the tensor's bytes, under 2x whatever N is; but
+in 2(N-1) messages, so the latency part of its time grows with N.
 
 Import it on every rank: `from ring_allreduce import ring_all_reduce`, or run it alone to
 check it against dist.all_reduce:  torchrun --nproc-per-node 3 ring_allreduce.py
@@ -41,17 +41,28 @@ def ring_all_reduce(tensor):
     return sent
 
 
+def bytes_written():
+    """Bytes this process has written so far (Linux /proc/self/io): gloo's sockets among them."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+
 def check(sizes=(1, 2, 3, 7, 1000, 1001, 2 ** 16 + 1), seed=0):
-    """ring_all_reduce vs dist.all_reduce on random tensors; one dict per size."""
+    """ring_all_reduce vs dist.all_reduce on random tensors; one dict per size, with the bytes
+    the ring says it sent and the bytes this process really wrote meanwhile (measured)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for size in sizes:
         x = torch.randn(size, generator=torch.Generator().manual_seed(seed + 1000 * rank + size))
         ours, ref = x.clone(), x.clone()
+        dist.barrier()
+        w0 = bytes_written()
         sent = ring_all_reduce(ours)
+        written = bytes_written() - w0
         dist.all_reduce(ref)
         rows.append({"size": size, "allclose": torch.allclose(ours, ref, rtol=1e-5, atol=1e-5),
-                     "bytes_sent": sent, "ring_bytes": 2 * (world - 1) / world * x.numel() * x.element_size()})
+                     "bytes_sent": sent, "bytes_written": written, "messages": 2 * (world - 1),
+                     "ring_bytes": 2 * (world - 1) / world * x.numel() * x.element_size()})
     return rows
 
 

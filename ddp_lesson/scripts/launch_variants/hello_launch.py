@@ -1,4 +1,6 @@
-"""torch.distributed.launch (deprecated since PyTorch 2.0; use torchrun). Without --use-env it
+"""torch.distributed.launch (deprecated: it warns since PyTorch 1.9, torchrun replaced it in 1.10;
+torch/distributed/launch.py still warns "The module torch.distributed.launch is deprecated"
+in 2.14). Without --use-env it
 passes the local rank as a command-line argument (--local-rank, once --local_rank), which
 the script must parse; with --use-env it sets LOCAL_RANK like torchrun does.
     python -m torch.distributed.launch --nproc-per-node 2 hello_launch.py          # argument
