@@ -25,7 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_lesson import costmodel, metrics
 
 # dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity)
-DATASHEET_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+DATASHEET_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
                   "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
 
 
@@ -210,7 +210,9 @@ def main():
     if args.amp == "auto" and use_cuda:
         args.amp = "fp16"
     elif args.amp == "auto":  # bf16 only pays on CPUs with bf16 instructions: measure it
-        args.amp = "bf16" if matmul_s(device, torch.bfloat16) < matmul_s(device, torch.float32) else "off"
+        faster = torch.tensor([float(matmul_s(device, torch.bfloat16) < matmul_s(device, torch.float32))])
+        dist.all_reduce(faster, op=dist.ReduceOp.MIN)  # DDP: every rank must choose the same
+        args.amp = "bf16" if faster.item() else "off"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp, torch.float32)
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=args.amp != "off")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
