@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ddp_lesson import exercises, launch, runs
 from ddp_lesson.lesson import SCRIPTS, load_script
 
+pytestmark = pytest.mark.timeout(900)   # four small launches; a busy shared machine makes each slow
 gpt = load_script(SCRIPTS / "gpt_ddp.py")
 TINY = ["--layers=1", "--heads=2", "--width=32", "--block=32", "--global-batch=12", "--micro-batch=1",
         "--steps=6", "--warmup-steps=2", "--lr=1e-2", "--eval-every=100", "--eval-windows=8",
