@@ -25,8 +25,10 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_lesson import costmodel, metrics
 
 # dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity)
-DATASHEET_PEAK = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
-                  "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
+# (the first name found in the device's name wins: the longer names come first)
+DATASHEET_PEAK = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                  "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12, "L4": 121e12,
+                  "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
 
 
 def parse_args(argv=None):
