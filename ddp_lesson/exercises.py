@@ -173,3 +173,25 @@ def check_bucketed(stage):
                            f"(blocking: async_op=False, or wait() in the hook); use async_op=True "
                            f"and wait in finish()")
     return True, f"equal to torch DDP for {len(stage['steps'])} steps, {n} buckets, every all-reduce async in backward"
+
+
+def check_global_batch(run_dir):
+    """11: every optimizer step saw the global batch the script asked for (summed over
+    ranks), at the run's world size. Reads `global_batch_asked` (windows or samples per
+    step, logged once) and each rank's per-step count (`samples`, or `windows` in gpt_ddp.py)."""
+    rec, world = _finished(run_dir)
+    asked = {row["global_batch_asked"] for row in rec.rows if "global_batch_asked" in row}
+    assert len(asked) == 1, "the run did not log the global batch it asked for (global_batch_asked)"
+    asked = asked.pop()
+    per_step = defaultdict(dict)                 # step -> {rank: samples this rank used}
+    for row in rec.rows:
+        n = row.get("samples", row.get("windows"))
+        if n is not None:
+            per_step[row["step"]][row["rank"]] = n
+    assert per_step, "the run logged no training steps"
+    for step, by_rank in sorted(per_step.items()):
+        assert sorted(by_rank) == list(range(world)), f"step {step}: not every rank logged it"
+        total = sum(by_rank.values())
+        assert total == asked, (f"step {step}: {total} samples over {world} rank(s), not the "
+                                f"{asked} asked for (ranks x micro-batch x accumulation steps)")
+    return f"{len(per_step)} steps of {asked} samples each on {world} rank(s)"

@@ -1,0 +1,316 @@
+"""Lesson 11, the capstone: a small GPT on the standard library's own .py files, with DDP.
+
+    torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
+Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
+distributed is marked # DDP. Each optimizer step sees --global-batch windows of --block
+bytes, at any world size: each rank runs global / (micro * world) micro-batches.
+"""
+import argparse
+import contextlib
+import glob
+import math
+import os
+import sysconfig
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_lesson import costmodel, metrics
+
+# dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity)
+# (the first name found in the device's name wins: the longer names come first)
+DATASHEET_PEAK = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                  "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12, "L4": 121e12,
+                  "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps of the schedule")
+    p.add_argument("--stop-at", type=int, default=0, help="end this run at this step (0: --steps)")
+    p.add_argument("--global-batch", type=int, default=24, help="windows per optimizer step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=2, help="windows per forward, per rank")
+    p.add_argument("--block", type=int, default=64, help="bytes per window (context length)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", type=int, default=192, help="d_model")
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
+    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+                   help="auto: fp16 + GradScaler on GPUs; bf16 on CPUs where it is faster than fp32")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-windows", type=int, default=96, help="validation windows per evaluation")
+    p.add_argument("--save-at", default="", help="steps to checkpoint at, e.g. 30,60")
+    p.add_argument("--resume", default="", help="a checkpoint to continue from (any world size)")
+    p.add_argument("--sample-bytes", type=int, default=200, help="generated at the end (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allreduce-sweep", action="store_true", help="time all-reduces at the end (alpha-beta fit)")
+    return p.parse_args(argv)
+
+
+# -- data: the standard library's own sources, as bytes ------------------------------------
+def stdlib_bytes():
+    """The top-level .py files of this Python's standard library, sorted by name, joined."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    return b"".join(open(f, "rb").read() for f in files), len(files)
+
+
+def split(text, val_fraction=0.1):
+    """The first 90% of the bytes train, the last 10% validate (whole files mostly)."""
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(len(data) * (1 - val_fraction))
+    return data[:cut], data[cut:]
+
+
+class Windows(Dataset):
+    """Non-overlapping windows: x = bytes [i*T, i*T+T), y = the same shifted by one."""
+
+    def __init__(self, data, block):
+        self.data, self.block = data, block
+
+    def __len__(self):
+        return (len(self.data) - 1) // self.block
+
+    def __getitem__(self, i):
+        chunk = self.data[i * self.block: (i + 1) * self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+# -- the model: a decoder-only transformer (pre-LayerNorm, tied embeddings) -----------------
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)      # (B, heads, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = scores.masked_fill(~mask, float("-inf")).softmax(-1)             # causal
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers=2, heads=4, width=192, block=64, vocab=256):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(block, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight        # tied: one matrix reads and writes bytes
+        for m in self.modules():                  # GPT-2's init: small weights, a loss near ln 256 at step 0
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def flops_per_token(model, layers, width, block):
+    """6N + 12 L T d, training FLOPs per token (forward 2, backward 4 per weight and token).
+    N counts the weights that multiply: every Linear (the tied head once), not biases,
+    LayerNorms or the position table. 12 L T d: the attention scores and their use on v,
+    over the full T x T (as nanoGPT and PaLM count it; the causal mask skips half)."""
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6 * n + 12 * layers * block * width
+
+
+def peak_flops(device, dtype):
+    """(FLOP/s, where from): a GPU's datasheet, else a matmul benchmark on this rank."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in DATASHEET_PEAK.items():
+            if key in name:
+                return peak, f"datasheet ({name})"
+    n, best = 512, 0.0
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(7):  # the best of 7: the peak this rank can get, not an average
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t))
+    return best, f"measured ({n}x{n} {str(dtype).split('.')[-1]} matmul, best of 7)"
+
+
+def matmul_s(device, dtype, n=256):
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    a @ a
+    t = time.perf_counter()
+    for _ in range(3):
+        a @ a
+    return time.perf_counter() - t
+
+
+def lr_at(step, args):
+    """Linear warm-up, then cosine down to a tenth (as nanoGPT)."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    done = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+def evaluate(model, val_set, n_windows, rank, world_size, device, autocast):
+    # DDP: a plain split rank::world_size counts every validation window exactly once
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)   # [loss summed over tokens, tokens]
+    with torch.no_grad(), autocast():
+        for i in range(rank, min(n_windows, len(val_set)), world_size):
+            x, y = val_set[i]
+            logits = model(x[None].to(device))
+            sums[0] += F.cross_entropy(logits.float().view(-1, 256), y.to(device), reduction="sum")
+            sums[1] += y.numel()
+    dist.all_reduce(sums)  # DDP: token-weighted: add the sums over ranks, then divide
+    model.train()
+    return (sums[0] / sums[1]).item(), int(sums[1].item())
+
+
+@torch.no_grad()
+def generate(model, prompt, n, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([list(prompt)], device=device)
+    block = model.pos.num_embeddings
+    for _ in range(n):
+        probs = model(idx[:, -block:])[0, -1].float().softmax(-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=g)[None]], 1)
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
+@record  # DDP: a failing rank's traceback reaches torchrun's error summary
+def main():
+    args = parse_args()
+    rank = int(os.environ["RANK"])                # DDP: global rank, set by torchrun
+    local_rank = int(os.environ["LOCAL_RANK"])    # DDP: rank on this machine -> which GPU
+    world_size = int(os.environ["WORLD_SIZE"])    # DDP: number of processes in the job
+    if args.global_batch % (args.micro_batch * world_size):
+        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of --micro-batch "
+                         f"{args.micro_batch} x {world_size} ranks.")
+    accum = args.global_batch // (args.micro_batch * world_size)  # micro-batches per rank per step
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP: nccl on GPUs, gloo on CPUs
+    if use_cuda:
+        torch.cuda.set_device(local_rank)                    # DDP: one GPU per process
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
+
+    # mixed precision: fp16 needs a GradScaler (small gradients underflow); bf16 does not
+    if args.amp == "auto" and use_cuda:
+        args.amp = "fp16"
+    elif args.amp == "auto":  # bf16 only pays on CPUs with bf16 instructions: measure it
+        faster = torch.tensor([float(matmul_s(device, torch.bfloat16) < matmul_s(device, torch.float32))])
+        dist.all_reduce(faster, op=dist.ReduceOp.MIN)  # DDP: every rank must choose the same
+        args.amp = "bf16" if faster.item() else "off"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp, torch.float32)
+    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=args.amp != "off")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    peak, peak_source = peak_flops(device, dtype)
+
+    text, n_files = stdlib_bytes()
+    train_data, val_data = split(text)
+    train_set, val_set = Windows(train_data, args.block), Windows(val_data, args.block)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
+    loader = DataLoader(train_set, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
+    steps_per_epoch = len(train_set) // args.global_batch   # the same at any world size
+
+    model = GPT(args.layers, args.heads, args.width, args.block).to(device)
+    fpt = flops_per_token(model, args.layers, args.width, args.block)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    step = 0
+    if args.resume:  # weights, optimizer and scaler state, and the step: nothing depends on world size
+        ckpt = torch.load(args.resume, map_location=device, weights_only=True)  # DDP: onto this rank's device
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        scaler.load_state_dict(ckpt["scaler"])
+        step = ckpt["step"]
+    model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
+    timer = metrics.StepTimer(model)  # time per step: data / compute / waiting in the all-reduce
+    if rank == 0:
+        print(f"world_size={world_size} data: {n_files} files, {len(train_data):,} train bytes, "
+              f"{len(val_data):,} val bytes; {sum(p.numel() for p in model.parameters()):,} params; "
+              f"amp={args.amp}; {accum} micro-batches of {args.micro_batch} per rank per step", flush=True)
+    metrics.log(step, params=sum(p.numel() for p in model.parameters()), flops_per_token=fpt,
+                peak_flops=peak, peak_source=peak_source, amp=args.amp,
+                accum=accum, global_batch_asked=args.global_batch, train_windows=len(train_set),
+                train_bytes=len(train_data), val_bytes=len(val_data), files=n_files)
+
+    save_at = {int(s) for s in args.save_at.split(",") if s}
+    stop = args.stop_at or args.steps
+    while step < stop:
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        batches = timer.timed(loader)  # timed: data_s
+        for _ in range(done_in_epoch * accum):  # resuming mid-epoch: skip what was trained on
+            next(batches)
+        for _ in range(done_in_epoch, steps_per_epoch):
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, args)
+            sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss x tokens, tokens]
+            windows = 0                                                # this rank's, this step
+            for i in range(accum):
+                x, y = next(batches)
+                x, y = x.to(device), y.to(device)
+                # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
+                with contextlib.nullcontext() if i == accum - 1 else model.no_sync():
+                    with autocast():
+                        logits = model(x)
+                    loss = F.cross_entropy(logits.float().view(-1, 256), y.view(-1))
+                    scaler.scale(loss / accum).backward()  # DDP then averages over ranks: the global mean
+                sums += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+                windows += len(y)
+            scaler.unscale_(opt)  # true gradients before clipping (no-op without fp16)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            scaler.step(opt)      # skips the step if fp16 gradients overflowed
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            dist.all_reduce(sums)  # DDP: for the log only: token-weighted loss over all ranks
+            tokens = windows * args.block                        # this rank's tokens this step
+            step_s = time.perf_counter() - t0
+            metrics.log(step, loss=sums[0] / sums[1], windows=windows, lr=lr_at(step - 1, args),
+                        tokens_per_s=tokens / step_s, mfu=fpt * tokens / step_s / peak, step_s=step_s,
+                        epoch=epoch, **timer.lap())  # + data_s, compute_s, wait_s, mem_mb
+            if step % args.eval_every == 0 or step == stop:
+                val_loss, val_tokens = evaluate(model, val_set, args.eval_windows, rank, world_size, device, autocast)
+                metrics.log(step, val_loss=val_loss, val_tokens=val_tokens)
+                timer.lap()  # evaluation time is not the next step's
+                if rank == 0:
+                    print(f"step {step}: loss {(sums[0] / sums[1]).item():.3f} val {val_loss:.3f} "
+                          f"{tokens / step_s:,.0f} tok/s/rank", flush=True)
+            if step in save_at:
+                path = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), f"ckpt_{step}.pt")
+                if rank == 0:  # DDP: one writer; the inner model, without the "module." prefix
+                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                                "scaler": scaler.state_dict(), "step": step, "args": vars(args)}, path)
+                dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
+            if step >= stop:
+                break
+
+    if args.allreduce_sweep:  # the same ranks, after training: what one all-reduce of b bytes costs
+        for b, seconds in costmodel.sweep(costmodel.QUICK_SIZES, iters=6, device=device):
+            metrics.log(step, bytes=b, seconds=seconds)
+    if rank == 0 and args.sample_bytes:  # one rank writes the sample
+        with autocast():
+            sample = generate(model.module, b"def ", args.sample_bytes, device, seed=args.seed)
+        print("--- sample ---\n" + sample, flush=True)
+        metrics.log(step, sample=sample)
+    dist.destroy_process_group()  # DDP
+
+
+if __name__ == "__main__":
+    main()
