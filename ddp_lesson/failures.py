@@ -39,11 +39,12 @@ HINTS = [
      "hint: a port was already taken; do not hard-code MASTER_PORT (29500), let the launcher pick one."),
 ]
 
-# gloo's pair could not open a connection to another rank's address (its error names the
-# address: remote=[...]). Only on several nodes is that address a question of which network
-# interface: on one node it is a peer that died or was slow, and a bare "No route to host" may
-# as well be the store (MASTER_ADDR or the rendezvous endpoint).
-UNREACHABLE_WORDS = ("timed out connecting", "No route to host", "Network is unreachable")
+# gloo's full mesh (built in init_process_group) could not connect a pair: the side that dials
+# says "timed out connecting ... remote=[addr]", the side that waits "Connect timeout". Only on
+# several nodes is that a question of which network interface: on one node it is a peer that
+# died or was slow; and a "No route to host" outside connectFullMesh is the store (MASTER_ADDR
+# or the rendezvous endpoint), not a gloo pair.
+UNREACHABLE_WORDS = ("timed out connecting", "No route to host", "Network is unreachable", "Connect timeout")
 UNREACHABLE = ("hint: a rank could not reach another rank's gloo address. Without GLOO_SOCKET_IFNAME gloo "
                "listens on the address the machine's own name resolves to (or loopback if that is not "
                "a local address), which on a machine with several networks may be one the others cannot "
@@ -68,7 +69,7 @@ def hint(failure):
     for words, line in HINTS:
         if any(w in text for w in words):
             return line
-    if (failure.get("nnodes") or 1) > 1 and "remote=[" in text and any(w in text for w in UNREACHABLE_WORDS):
+    if (failure.get("nnodes") or 1) > 1 and "connectFullMesh" in text and any(w in text for w in UNREACHABLE_WORDS):
         return UNREACHABLE
     return None
 

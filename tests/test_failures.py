@@ -144,6 +144,13 @@ def test_no_interface_hint_for_unrelated_failures(message, nnodes):
     assert tip is None or "GLOO_SOCKET_IFNAME" not in tip, tip
 
 
+def test_the_waiting_side_of_an_unreachable_pair_gets_the_hint_on_several_nodes():
+    waiting = ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.h:311] "
+               "Connect timeout [none]")                               # the rank the other never reached
+    assert "GLOO_SOCKET_IFNAME" in failures.hint({"message": waiting, "nnodes": 2})
+    assert failures.hint({"message": waiting, "nnodes": 1}) is None
+
+
 def test_a_taken_port_beats_the_interface_hint():
     message = (f"{UNREACHABLE}\nRuntimeError: The server socket has failed to listen on any local network "
                "address. port: 29500, code: -98, name: EADDRINUSE, message: address already in use")
