@@ -8,8 +8,9 @@ the first node of the allocation (from `scontrol show hostnames`), with the job 
 rendezvous id. The rendezvous port comes from the job id too (unless `port` is given): two jobs
 whose first node is the same machine would otherwise share one port, and the second job's agents,
 unable to bind it, quietly join the first job's store as clients (c10d_rendezvous_backend's
-_create_tcp_store tries host, then client) and fail when that job ends. With cpu=True (a CPU partition) the script asks for
-no GPUs and starts `nproc_per_node` CPU ranks per node, which the script runs on gloo.
+_create_tcp_store tries host, then client) and fail when that job ends. With cpu=True the script asks for no GPUs and starts
+`nproc_per_node` ranks per node; give a CPU partition (nothing here enforces one), since a script
+that picks nccl whenever CUDA is available would use a GPU node's GPUs anyway.
 """
 import os
 import re
