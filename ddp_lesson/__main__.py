@@ -56,7 +56,8 @@ def build_parser():
     sl.add_argument("--gpus-per-node", help="GPUs (ranks) per node (default 4)")
     sl.add_argument("--cpu", action="store_true", help="a CPU partition: no GPUs, ranks on gloo")
     sl.add_argument("--nproc-per-node", help="with --cpu: CPU ranks per node (default 2)")
-    sl.add_argument("--port", default=29500, help="rendezvous port on the first node (default 29500)")
+    sl.add_argument("--port", default=None,
+                    help="rendezvous port on the first node (default: 20000 + job id %% 20000)")
     sl.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
     sl.add_argument("--partition", help="Slurm partition")
     return top

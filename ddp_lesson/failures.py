@@ -35,14 +35,21 @@ HINTS = [
      "hint: nccl needs NVIDIA GPUs and a CUDA build of torch; on CPU ranks use the gloo backend."),
     (("CUDA out of memory", "OutOfMemoryError"),
      "hint: the GPU ran out of memory; try a smaller batch, a smaller model or fewer ranks per GPU."),
-    (("connectFullMesh", "timed out connecting", "No route to host"),
-     "hint: a rank could not reach another rank's gloo address. Without GLOO_SOCKET_IFNAME gloo "
-     "listens on the address the machine's own name resolves to, which on a machine with several "
-     "networks may be one the others cannot reach; set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for "
-     "nccl) to the interface the machines share (see `ip -4 addr`), on every node."),
     (("Address already in use", "EADDRINUSE"),
      "hint: a port was already taken; do not hard-code MASTER_PORT (29500), let the launcher pick one."),
 ]
+
+# gloo's full mesh (built in init_process_group) could not connect a pair: the side that dials
+# says "timed out connecting ... remote=[addr]", the side that waits "Connect timeout". Only on
+# several nodes is that a question of which network interface: on one node it is a peer that
+# died or was slow; and a "No route to host" outside connectFullMesh is the store (MASTER_ADDR
+# or the rendezvous endpoint), not a gloo pair.
+UNREACHABLE_WORDS = ("timed out connecting", "No route to host", "Network is unreachable", "Connect timeout")
+UNREACHABLE = ("hint: a rank could not reach another rank's gloo address. Without GLOO_SOCKET_IFNAME gloo "
+               "listens on the address the machine's own name resolves to (or loopback if that is not "
+               "a local address), which on a machine with several networks may be one the others cannot "
+               "reach; set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for nccl) to the interface the "
+               "machines share (see `ip -4 addr`), on every node.")
 
 
 def explain(exitcode):
@@ -54,13 +61,16 @@ def explain(exitcode):
 
 
 def hint(failure):
-    """One line for a common root cause, or None."""
+    """One line for a common root cause, or None. The network-interface hint needs the run's
+    node count (failure["nnodes"], from config.json: root_cause puts it there)."""
     if not failure:
         return None
     text = f"{failure.get('message', '')}\n{failure.get('traceback', '')}"
     for words, line in HINTS:
         if any(w in text for w in words):
             return line
+    if (failure.get("nnodes") or 1) > 1 and "connectFullMesh" in text and any(w in text for w in UNREACHABLE_WORDS):
+        return UNREACHABLE
     return None
 
 
@@ -86,8 +96,15 @@ def root_cause(run_dir):
     errors other ranks raise then ("connection closed by peer") are consequences; else the
     earliest exception; else a rank that aborted or was stopped. An exception counts only
     if the very process torchrun reports raised it (same pid), so an error file left by an
-    earlier restart cannot win. `rank` is None when the agent itself was stopped."""
-    logs = Path(run_dir) / "logs"
+    earlier restart cannot win. `rank` is None when the agent itself was stopped. `nnodes`
+    is the run's node count (for hint())."""
+    failure = _root_cause(Path(run_dir) / "logs")
+    if failure:
+        failure["nnodes"] = (read_json(Path(run_dir) / "config.json") or {}).get("nnodes", 1)
+    return failure
+
+
+def _root_cause(logs):
     errors = _errors(logs)
     agent = read_json(logs / "agent.failures.json") or {}
     if agent.get("signal"):
@@ -152,16 +169,24 @@ def describe(failure, traceback=True):
     return "\n".join(lines)
 
 
-NETWORK_HANG = ("hint: on several nodes, ranks that wait in init_process_group or their first "
-                "collective often cannot reach each other's address: gloo listens on the address the "
+NETWORK_HANG = ("hint: on several nodes, ranks that wait in init_process_group often cannot reach "
+                "each other's address (gloo connects every pair there): gloo listens on the address the "
                 "machine's own name resolves to unless GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for nccl) "
                 "names the interface the machines share; set it on every node.")
+NO_RANKS = ("hint: no rank reported where it was; on several nodes the torchrun agents wait in the "
+            "rendezvous until every node has joined: check that the other nodes were started, with the "
+            "same --rdzv-endpoint and --rdzv-id, and can reach the endpoint's port.")
 
 
 def after_timeout(message, config, where=None):
-    """The timeout message, with the network hint for a multi-node run whose ranks were
-    waiting for each other (or whose whereabouts are unknown)."""
+    """The timeout message, with a hint for a multi-node run: the network hint when ranks
+    waited in init_process_group (and none was in a collective: waiting there after the group
+    formed is not a reachability problem), the rendezvous hint when no rank reported at all."""
+    if (config or {}).get("nnodes", 1) <= 1:
+        return message
     states = {w.get("state") for w in (where or {}).values()}
-    if (config or {}).get("nnodes", 1) > 1 and (not states or states & {"init", "collective"}):
+    if not states:
+        return f"{message}\n{NO_RANKS}"
+    if "init" in states and "collective" not in states:
         return f"{message}\n{NETWORK_HANG}"
     return message

@@ -2,11 +2,15 @@
 
     print(slurm.sbatch_script("train_ddp.py", nodes=2, gpus_per_node=4, args=["--epochs", "3"]))
 
-Slurm starts one task per node (`srun --ntasks-per-node=1`); each task is a torchrun
-agent that starts `gpus_per_node` ranks; the agents meet through a c10d rendezvous on
+sbatch runs the script once, on the first node; its `srun` starts one task per node
+(`--ntasks-per-node=1`); each task is a torchrun agent that starts `gpus_per_node` ranks; the agents meet through a c10d rendezvous on
 the first node of the allocation (from `scontrol show hostnames`), with the job id as
-rendezvous id so two jobs never mix. With cpu=True (a CPU partition) the script asks for
-no GPUs and starts `nproc_per_node` CPU ranks per node, which the script runs on gloo.
+rendezvous id. The rendezvous port comes from the job id too (unless `port` is given): two jobs
+whose first node is the same machine would otherwise share one port, and the second job's agents,
+unable to bind it, quietly join the first job's store as clients (c10d_rendezvous_backend's
+_create_tcp_store tries host, then client) and fail when that job ends. With cpu=True the script asks for no GPUs and starts
+`nproc_per_node` ranks per node; give a CPU partition (nothing here enforces one), since a script
+that picks nccl whenever CUDA is available would use a GPU node's GPUs anyway.
 """
 import os
 import re
@@ -32,12 +36,14 @@ def _q(word):
 
 def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesson",
                   time="01:00:00", partition=None, account=None, cpus_per_task=None,
-                  port=29500, output="%x-%j.out", env=None, setup=(), max_restarts=0,
+                  port=None, output="%x-%j.out", env=None, setup=(), max_restarts=0,
                   python="python", cpu=False, nproc_per_node=None):
     """The text of an sbatch script that runs `script` with torchrun on `nodes` nodes,
     `gpus_per_node` ranks each. `env`: extra variables to export (NCCL_SOCKET_IFNAME=...);
     `setup`: shell lines run first on the batch host (module load, conda activate...).
-    cpu=True: no GPUs asked for; `nproc_per_node` CPU ranks (default 2) on each node."""
+    cpu=True: no GPUs asked for; `nproc_per_node` CPU ranks (default 2) on each node.
+    port=None: a port derived from the job id (20000 + id % 20000), so jobs sharing a first
+    node do not share a rendezvous store."""
     values = {"job_name": job_name, "partition": partition, "account": account, "time": time,
               "output": output}
     for key, value in values.items():
@@ -53,7 +59,7 @@ def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesso
                                   1, MAX_PER_NODE)
     else:
         per_node = checks.bounded("--gpus-per-node", gpus_per_node, 1, MAX_PER_NODE)
-    port = checks.bounded("port", port, 1, 65535)
+    port = None if port is None else checks.bounded("port", port, 1, 65535)
     # one core per CPU rank; a GPU rank gets 8 for its data loading
     cpus = (checks.bounded("--cpus-per-task", cpus_per_task, 1, 1 << 20) if cpus_per_task
             else per_node * (1 if cpu else 8))
@@ -62,7 +68,7 @@ def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesso
              f"#SBATCH --nodes={nodes}",
              "#SBATCH --ntasks-per-node=1          # one torchrun agent per node",
              (f"#SBATCH --gpus-per-node={per_node}" if not cpu
-              else "# a CPU partition: no GPUs asked for; the ranks use gloo"),
+              else "# no GPUs asked for: CPU ranks on gloo (where the nodes have no GPU)"),
              f"#SBATCH --cpus-per-task={cpus}",
              f"#SBATCH --time={time}",
              f"#SBATCH --output={output}"]
@@ -72,15 +78,19 @@ def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesso
         lines.append(f"#SBATCH --account={account}")
     lines += ["", "set -euo pipefail", *setup, ""]
     lines += ["# The first node of the allocation hosts the rendezvous.",
-              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              f"head_port={port}",
+              # sed reads the whole list: `head` would exit early and, under pipefail, a long
+              # list's SIGPIPE would end the script
+              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+              ("# a port per job: two jobs on the same first node must not share a store\n"
+               "head_port=$((20000 + SLURM_JOB_ID % 20000))" if port is None else f"head_port={port}"),
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"]
     for k, v in (env or {}).items():
         lines.append(f"export {k}={_q(v)}")
     lines += ["",
               'echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes, rendezvous at $head_node:$head_port"',
               "",
-              "srun torchrun \\",
+              "# since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: ask again",
+              "srun --cpus-per-task=$SLURM_CPUS_PER_TASK torchrun \\",
               "    --nnodes $SLURM_NNODES \\",
               f"    --nproc-per-node {per_node} \\",
               "    --rdzv-backend c10d \\",

@@ -125,3 +125,55 @@ def test_log_reads_are_bounded(tmp_path):
 def test_sbatch_refuses_values_that_inject_shell_lines(kwargs):
     with pytest.raises(BadInput):
         slurm.sbatch_script("train.py", **kwargs)
+
+
+# gloo's error when a pair cannot connect, as seen in test_netns.py's two-namespace run
+UNREACHABLE = ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed "
+               "out connecting: SO_ERROR: No route to host, remote=[198.51.100.1]:28055")
+
+
+@pytest.mark.parametrize("message, nnodes", [
+    (UNREACHABLE.replace("198.51.100.1", "127.0.0.1"), 1),            # one node: a peer that was slow or died
+    ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:534] Connection reset "
+     "by peer, remote=[10.0.0.2]:40000", 2),                           # a peer that died, on two nodes
+    ("torch.distributed.DistNetworkError: The client socket has failed to connect to [head]:29400 "
+     "(errno: 113 - No route to host).", 2),                           # the store, not a gloo pair
+])
+def test_no_interface_hint_for_unrelated_failures(message, nnodes):
+    tip = failures.hint({"rank": 0, "exitcode": 1, "message": message, "traceback": "", "nnodes": nnodes})
+    assert tip is None or "GLOO_SOCKET_IFNAME" not in tip, tip
+
+
+def test_the_waiting_side_of_an_unreachable_pair_gets_the_hint_on_several_nodes():
+    waiting = ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.h:311] "
+               "Connect timeout [none]")                               # the rank the other never reached
+    assert "GLOO_SOCKET_IFNAME" in failures.hint({"message": waiting, "nnodes": 2})
+    assert failures.hint({"message": waiting, "nnodes": 1}) is None
+
+
+def test_a_taken_port_beats_the_interface_hint():
+    message = (f"{UNREACHABLE}\nRuntimeError: The server socket has failed to listen on any local network "
+               "address. port: 29500, code: -98, name: EADDRINUSE, message: address already in use")
+    assert "MASTER_PORT" in failures.hint({"message": message, "nnodes": 2})
+
+
+def test_the_multi_node_interface_case_gets_its_hint_from_the_runs_config(tmp_path):
+    run = setup_logs(tmp_path, errors=[{"rank": 1, "pid": 11, "time": 5.0, "message": UNREACHABLE}],
+                     agent={"failures": [row(1, 11, 1)]})
+    runs.write_json(tmp_path / "config.json", {"nnodes": 2, "world_size": 2})
+    f = failures.root_cause(run)
+    assert f["nnodes"] == 2 and "GLOO_SOCKET_IFNAME" in failures.describe(f)
+    runs.write_json(tmp_path / "config.json", {"nnodes": 1, "world_size": 2})
+    assert "GLOO_SOCKET_IFNAME" not in failures.describe(failures.root_cause(run))
+
+
+def test_timeout_hints_on_several_nodes_follow_where_the_ranks_were():
+    init = {0: {"state": "init", "call": "init_process_group", "at": "s.py line 9"},
+            1: {"state": "busy", "call": None, "at": "s.py line 3"}}
+    assert "GLOO_SOCKET_IFNAME" in failures.after_timeout("stopped", {"nnodes": 2}, init)
+    desync = {0: {"state": "collective", "call": "all_reduce", "at": "s.py line 20"},
+              1: {"state": "collective", "call": "broadcast", "at": "s.py line 22"}}
+    assert failures.after_timeout("stopped", {"nnodes": 2}, desync) == "stopped"   # the group had formed
+    nobody = failures.after_timeout("stopped", {"nnodes": 2}, {})   # agents still in the rendezvous
+    assert "--rdzv-endpoint" in nobody and "GLOO_SOCKET_IFNAME" not in nobody
+    assert failures.after_timeout("stopped", {"nnodes": 1}, {}) == "stopped"

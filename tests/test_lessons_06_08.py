@@ -29,3 +29,20 @@ def test_checked_with_an_exercise(name):
 # command line, test_cli.py::test_rank_that_never_joins_the_collective_times_out); resume.py's
 # root cause (rank 1, not rank 0's teardown) and its elastic resume from the checkpoint
 # ((epoch, attempt, resumed_from) rows): notebook 07 section 4, with the same arguments.
+
+
+def test_06_quotes_the_blog_figures_that_scaling_holds():
+    """06's first cell states the posts' times and speed-ups; ddp_lesson.scaling holds the same
+    times, and the speed-ups are recomputed from them (a typo in either fails here)."""
+    import re
+    from ddp_lesson import scaling
+    top = "".join(cells(NOTEBOOKS[0])[0]["source"])
+    wz = re.search(r"\*\*([\d., and]+) s per epoch on ([\d, and]+) GPUs\*\* \(a speed-up of ([\dx., ]+)\)", top)
+    times = [float(t) for t in re.split(r", | and ", wz.group(1))]
+    gpus = [int(n) for n in re.split(r", | and ", wz.group(2))]
+    assert dict(zip(gpus, times)) == scaling.BLOG_WZ_S_PER_EPOCH
+    quoted = [float(x) for x in re.findall(r"([\d.]+)x", wz.group(3))]
+    assert quoted == [round(scaling.blog_speedups()["wz_v100"][n], 2) for n in gpus[1:]]
+    r3090 = re.search(r"took (\d+) s on one card and (\d+) s on two \(\*\*([\d.]+)x\*\*\)", top)
+    assert {1: float(r3090.group(1)), 2: float(r3090.group(2))} == scaling.BLOG_3090_S
+    assert float(r3090.group(3)) == round(scaling.blog_speedups()["3090"][2], 3)

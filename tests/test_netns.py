@@ -74,7 +74,8 @@ def test_hints_name_gloo_socket_ifname():
     namespace test with a short timeout), and the launcher's timeout on several nodes."""
     seen = ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed "
             "out connecting: SO_ERROR: No route to host, remote=[198.51.100.1]:28055")
-    assert "GLOO_SOCKET_IFNAME" in failures.hint({"message": seen})
+    assert "GLOO_SOCKET_IFNAME" in failures.hint({"message": seen, "nnodes": 2})
+    assert failures.hint({"message": seen, "nnodes": 1}) is None   # one node: a peer, not a NIC
     init = {0: {"state": "init", "call": "init_process_group", "at": "script.py line 9"}}
     assert "GLOO_SOCKET_IFNAME" in failures.after_timeout("stopped", {"nnodes": 2}, init)
     assert failures.after_timeout("stopped", {"nnodes": 1}, init) == "stopped"

@@ -19,13 +19,16 @@ def test_content():
     assert text.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "export NCCL_SOCKET_IFNAME=ib0",
-                 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1'):
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
+                 "srun --cpus-per-task=$SLURM_CPUS_PER_TASK torchrun"):   # srun does not inherit it
         assert line in text, line
-    cmd = " ".join(l.strip().rstrip("\\") for l in text.split("srun torchrun", 1)[1].splitlines())
+    cmd = " ".join(l.strip().rstrip("\\") for l in text.split(" torchrun", 1)[1].splitlines())
     assert "--nnodes $SLURM_NNODES" in cmd
     assert "--nproc-per-node 4" in cmd
     assert "--rdzv-backend c10d" in cmd
-    assert "--rdzv-endpoint $head_node:$head_port" in cmd and "head_port=29500" in text
+    assert "--rdzv-endpoint $head_node:$head_port" in cmd
+    assert "head_port=$((20000 + SLURM_JOB_ID % 20000))" in text          # a port per job
+    assert "head_port=29400" in slurm.sbatch_script("t.py", port=29400)  # unless one is given
     assert "--rdzv-id $SLURM_JOB_ID" in cmd
     assert cmd.split()[-3:] == ["train_ddp.py", "--epochs", "3"]
     assert "--standalone" not in text and "torch.distributed.launch" not in text
@@ -46,17 +49,35 @@ def test_runs_with_stub_slurm(tmp_path):
     list and the job id the rendezvous id."""
     job = tmp_path / "job.sbatch"
     slurm.write(job, "train_ddp.py", nodes=2, gpus_per_node=4, args=["--epochs", "1"])
-    env = dict(os.environ, SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_NNODES="2", SLURM_JOB_ID="4242")
+    env = dict(os.environ, SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
+               SLURM_CPUS_PER_TASK="32")
     env["BASH_FUNC_scontrol%%"] = '() {  printf "gpu-node-07\\ngpu-node-08\\n"\n}'
-    env["BASH_FUNC_srun%%"] = '() {  "$@"\n}'
+    env["BASH_FUNC_srun%%"] = '() {  echo "SRUN $1"; shift; "$@"\n}'
     env["BASH_FUNC_torchrun%%"] = '() {  echo "TORCHRUN $*"\n}'
     out = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     line = [l for l in out.stdout.splitlines() if l.startswith("TORCHRUN")][0]
     assert line == ("TORCHRUN --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d "
-                    "--rdzv-endpoint gpu-node-07:29500 --rdzv-id 4242 --max-restarts 0 "
+                    "--rdzv-endpoint gpu-node-07:24242 --rdzv-id 4242 --max-restarts 0 "
                     "train_ddp.py --epochs 1")
-    assert "rendezvous at gpu-node-07:29500" in out.stdout
+    assert "rendezvous at gpu-node-07:24242" in out.stdout   # 20000 + 4242 % 20000
+    assert "SRUN --cpus-per-task=32" in out.stdout
+
+
+def test_long_node_list_under_pipefail(tmp_path):
+    """The first host is read from a list of thousands of names under `set -euo pipefail`: a
+    reader that stops early (head -n 1) makes the lister die of SIGPIPE, which pipefail turns
+    into the end of the script."""
+    job = tmp_path / "job.sbatch"
+    slurm.write(job, "t.py", nodes=4000, gpus_per_node=1)
+    env = dict(os.environ, SLURM_JOB_NODELIST="n[0000-3999]", SLURM_NNODES="4000", SLURM_JOB_ID="7",
+               SLURM_CPUS_PER_TASK="8")
+    env["BASH_FUNC_scontrol%%"] = '() {  for i in $(seq -w 0 3999); do echo n$i; done\n}'
+    env["BASH_FUNC_srun%%"] = '() {  shift; "$@"\n}'
+    env["BASH_FUNC_torchrun%%"] = '() {  echo "TORCHRUN $*"\n}'
+    out = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--rdzv-endpoint n0000:20007 " in out.stdout
 
 
 def test_cli():

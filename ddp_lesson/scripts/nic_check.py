@@ -26,8 +26,11 @@ def main():
     args = p.parse_args()
     host = socket.gethostname()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    # Without GLOO_SOCKET_IFNAME gloo listens on the address this machine's own name resolves to.
-    where = f"interface {ifname}" if ifname else f"{socket.gethostbyname(host)} (what {host} resolves to here)"
+    # Without GLOO_SOCKET_IFNAME gloo listens on an address this machine's own name resolves to
+    # (loopback if none is local).
+    # getaddrinfo, as gloo does; gethostbyname would show only the first IPv4 address
+    resolved = sorted({a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+    where = f"interface {ifname}" if ifname else f"{', '.join(resolved)} (what {host} resolves to here)"
     print(f"{host}: gloo listens on {where}", flush=True)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     x = torch.ones(1)

@@ -35,7 +35,7 @@ def split_report(generator):
 
 
 def weights_after_training(train, wrap):
-    torch.manual_seed(0)  # the seed loads the same pretrained weights on every rank
+    torch.manual_seed(0)  # the UNet script loads the same pretrained weights on every rank
     model = models.SmallCNN(width=4)
     net = DDP(model) if wrap else model
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
