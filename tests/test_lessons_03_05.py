@@ -199,3 +199,14 @@ def test_single_to_ddp_diff_is_the_ddp_lines():
         assert needle in added and needle not in removed, needle
     assert "shuffle=True" in removed          # the sampler shuffles instead of the loader
     assert sum(l[:1] in "+-" for l in diff) <= 80
+
+
+def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():
+    # it replaces BatchNorm1d/2d/3d alike: eval() must still accept their 2D..5D inputs
+    import torch
+    from ddp_lesson import syncbn
+    for bn, x in ((torch.nn.BatchNorm1d(4), torch.randn(5, 4)), (torch.nn.BatchNorm1d(4), torch.randn(5, 4, 3)),
+                  (torch.nn.BatchNorm2d(4), torch.randn(2, 4, 3, 3)), (torch.nn.BatchNorm3d(4), torch.randn(2, 4, 2, 2, 2))):
+        model = syncbn.convert_sync_batchnorm(torch.nn.Sequential(bn)).eval()
+        assert isinstance(model[0], syncbn.CPUSyncBatchNorm)
+        assert model(x).shape == x.shape
