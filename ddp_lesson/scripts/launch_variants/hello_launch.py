@@ -1,6 +1,6 @@
-"""torch.distributed.launch (deprecated since PyTorch 2.0; use torchrun). Without --use-env it
+"""torch.distributed.launch (deprecated: it warns, then runs torchrun underneath). Without --use-env it
 passes the local rank as a command-line argument (--local-rank, once --local_rank), which
-the script must parse; with --use-env it sets LOCAL_RANK like torchrun does.
+the script must parse; with --use-env (older spelling --use_env) it sets LOCAL_RANK like torchrun does.
     python -m torch.distributed.launch --nproc-per-node 2 hello_launch.py          # argument
     python -m torch.distributed.launch --nproc-per-node 2 --use-env hello_launch.py  # environment
 """
