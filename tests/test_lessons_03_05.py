@@ -175,6 +175,8 @@ def test_ddp_checks_timeline_is_the_measured_overlap(launched):
             assert all(0 <= start <= end for start, end in o["timeline"]["all_reduces"])
         assert small["timeline"]["all_reduces"][0][0] < small["timeline"]["backward_end"]
         assert one["timeline"]["all_reduces"][0][0] >= one["timeline"]["backward_end"]
+        if r["world_size"] > 1:   # a no_grad forward turns the next forward's buffer broadcast off
+            assert not r["buffers_equal_after_no_grad_forward"]
 
 
 def test_single_process_script_trains_and_counts_every_test_sample(tmp_path):
