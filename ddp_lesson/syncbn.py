@@ -1,9 +1,10 @@
-"""SyncBatchNorm for CPU ranks. PyTorch's nn.SyncBatchNorm runs on GPUs only ("expected
-input tensor to be on GPU"); this does the same arithmetic with gloo so the lesson runs on
+"""SyncBatchNorm for CPU ranks. PyTorch's nn.SyncBatchNorm refuses CPU tensors in training once
+a process group exists ("expected input tensor to be on GPU"); this does the same arithmetic with gloo so the lesson runs on
 a laptop: per channel, every rank sums x, x*x and its count, one all_reduce adds them up,
 and each rank normalises its own batch with the global mean and variance. The all_reduce
 is the differentiable one (torch.distributed.nn), so backward also sums over ranks, as
-nn.SyncBatchNorm's backward does.
+nn.SyncBatchNorm's backward does (both send nothing in backward when no gradient flows to
+the layer's input, e.g. a BN layer right on the data).
 
     model = convert_sync_batchnorm(model)   # nn.SyncBatchNorm for a model on GPUs, this on CPU
 """
@@ -13,7 +14,13 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 
-class CPUSyncBatchNorm(nn.BatchNorm2d):
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Any BatchNorm1d/2d/3d (it replaces all of them), like nn.SyncBatchNorm."""
+
+    def _check_input_dim(self, x):  # used by eval()'s plain BN path
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+
     def forward(self, x):
         if not (self.training and dist.is_available() and dist.is_initialized()):
             return super().forward(x)

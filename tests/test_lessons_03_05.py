@@ -175,6 +175,8 @@ def test_ddp_checks_timeline_is_the_measured_overlap(launched):
             assert all(0 <= start <= end for start, end in o["timeline"]["all_reduces"])
         assert small["timeline"]["all_reduces"][0][0] < small["timeline"]["backward_end"]
         assert one["timeline"]["all_reduces"][0][0] >= one["timeline"]["backward_end"]
+        if r["world_size"] > 1:   # a no_grad forward turns the next forward's buffer broadcast off
+            assert not r["buffers_equal_after_no_grad_forward"]
 
 
 def test_single_process_script_trains_and_counts_every_test_sample(tmp_path):
@@ -199,3 +201,14 @@ def test_single_to_ddp_diff_is_the_ddp_lines():
         assert needle in added and needle not in removed, needle
     assert "shuffle=True" in removed          # the sampler shuffles instead of the loader
     assert sum(l[:1] in "+-" for l in diff) <= 80
+
+
+def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():
+    # it replaces BatchNorm1d/2d/3d alike: eval() must still accept their 2D..5D inputs
+    import torch
+    from ddp_lesson import syncbn
+    for bn, x in ((torch.nn.BatchNorm1d(4), torch.randn(5, 4)), (torch.nn.BatchNorm1d(4), torch.randn(5, 4, 3)),
+                  (torch.nn.BatchNorm2d(4), torch.randn(2, 4, 3, 3)), (torch.nn.BatchNorm3d(4), torch.randn(2, 4, 2, 2, 2))):
+        model = syncbn.convert_sync_batchnorm(torch.nn.Sequential(bn)).eval()
+        assert isinstance(model[0], syncbn.CPUSyncBatchNorm)
+        assert model(x).shape == x.shape

@@ -1,12 +1,15 @@
-"""Check (lesson 03): three things DDP does that a learner cannot see, measured.
+"""Check (notebook 03b): three things DDP does that a learner cannot see, measured.
 
 1. The all-reduce overlaps backward: a comm hook stamps when each gradient bucket's
-   all-reduce is launched, a tensor hook stamps when the FIRST layer's gradient (the last
-   one backward computes) is ready. With small buckets the first all-reduce starts before
-   backward is done; with one bucket for the whole model it cannot.
+   all-reduce is launched and when it finishes, a tensor hook stamps when the FIRST layer's
+   gradient (the last one backward computes) is ready. With small buckets the first
+   all-reduce starts before backward is done; with one bucket for the whole model it cannot.
+   (The first iteration always uses one bucket; DDP rebuilds the buckets at the second
+   forward, so we time the third backward.)
 2. Buffers are broadcast: BatchNorm's running statistics drift apart on ranks that see
-   different data; with broadcast_buffers=True (the default) every forward starts from
-   rank 0's buffers, with False each rank keeps its own.
+   different data; with forward_sync_buffers=True (the default) a training forward that
+   follows a synced training forward starts from rank 0's buffers, with False each rank keeps
+   its own. A forward under torch.no_grad() turns the next forward's broadcast off.
 3. map_location: a checkpoint rank 0 saved records rank 0's device; loading it with
    map_location=<this rank's device> puts every tensor on this rank's own device.
 Writes ddp_checks.json (one entry per rank) into the run directory.
@@ -26,15 +29,16 @@ def overlap(device, ids, bucket_cap_mb):
     torch.manual_seed(0)
     layers = [nn.Linear(512, 512) for _ in range(8)]  # 1 MiB of weights each
     model = DDP(nn.Sequential(*layers).to(device), device_ids=ids, bucket_cap_mb=bucket_cap_mb)
-    stamps = {"launch": [], "done": [], "first_layer_grad": None}
+    stamps = {"launch": {}, "done": {}, "first_layer_grad": None}
 
-    def finished(f):
-        stamps["done"].append(time.perf_counter())
-        return f.value()[0] / dist.get_world_size()
-
-    def hook(state, bucket):  # called when a bucket of gradients is ready
-        stamps["launch"].append(time.perf_counter())
+    def hook(state, bucket):  # state: what register_comm_hook was given (None here)
+        i = bucket.index()    # buckets may finish out of order: key the stamps by bucket
+        stamps["launch"][i] = time.perf_counter()
         fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+        def finished(f):
+            stamps["done"][i] = time.perf_counter()
+            return f.value()[0] / dist.get_world_size()
         return fut.then(finished)
 
     model.register_comm_hook(None, hook)
@@ -48,23 +52,29 @@ def overlap(device, ids, bucket_cap_mb):
         loss = model(x).square().mean()
         start = time.perf_counter()
         loss.backward()
-    lead_ms = 1000 * (stamps["first_layer_grad"] - stamps["launch"][0])
+    order = sorted(stamps["launch"], key=stamps["launch"].get)  # bucket indices, by launch time
+    lead_ms = 1000 * (stamps["first_layer_grad"] - stamps["launch"][order[0]])
     # for a picture: seconds since backward started (the last layer's bucket comes first)
     timeline = {"backward_end": stamps["first_layer_grad"] - start,
-                "all_reduces": [[a - start, b - start] for a, b in zip(stamps["launch"], stamps["done"])]}
+                "all_reduces": [[stamps["launch"][i] - start, stamps["done"][i] - start] for i in order]}
     return {"buckets": len(stamps["launch"]), "first_all_reduce_before_backward_done_ms": lead_ms,
             "timeline": timeline}
 
 
-def buffers_broadcast(device, ids, rank, world, broadcast):
+def buffers_broadcast(device, ids, rank, world, sync, no_grad_before_last=False):
     torch.manual_seed(0)
     bn = nn.BatchNorm1d(4).to(device)
     seen = []
     bn.register_forward_pre_hook(lambda m, inp: seen.append(m.running_mean.clone()))
-    model = DDP(nn.Sequential(bn), device_ids=ids, broadcast_buffers=broadcast)
+    # forward_sync_buffers replaces broadcast_buffers (deprecated since torch 2.13)
+    model = DDP(nn.Sequential(bn), device_ids=ids, forward_sync_buffers=sync)
     for step in range(3):  # each rank's data has a different mean: rank + step
         x = torch.randn(16, 4, device=device) + rank + step
-        model(x).sum().backward()
+        if no_grad_before_last and step == 1:
+            with torch.no_grad():  # still train mode: BN updates its buffers here
+                model(x)
+        else:
+            model(x).sum().backward()
     start = seen[-1]  # the running mean this rank's last forward started from
     gathered = [torch.zeros_like(start) for _ in range(world)]
     dist.all_gather(gathered, start)
@@ -99,6 +109,8 @@ def main():
         "overlap_one_bucket": overlap(device, ids, bucket_cap_mb=1000),
         "buffers_equal_with_broadcast": buffers_broadcast(device, ids, rank, world, True),
         "buffers_equal_without_broadcast": buffers_broadcast(device, ids, rank, world, False),
+        "buffers_equal_after_no_grad_forward": buffers_broadcast(device, ids, rank, world, True,
+                                                                 no_grad_before_last=True),
         "map_location": map_location(device, rank, run_dir),
     }
     results = [None] * world

@@ -84,10 +84,11 @@ def main():
             "rank0_shuffles": shuffles,
             "epochs_repeat_without_set_epoch": len({tuple(e) for e in shuffles["without_set_epoch"]}) == 1,
             "epochs_differ_with_set_epoch": len({tuple(e) for e in shuffles["with_set_epoch"]}) == 3,
-            # every sample on some rank; the only repeats are the padding to equal shards
+            # every sample on some rank; two ranks share a sample only where it was padded in
             "padding": sampler.total_size - len(dataset),
-            "shards_disjoint": len(set().union(*map(set, shards))) == len(dataset)
-                               and sum(map(len, shards)) - len(dataset) == sampler.total_size - len(dataset),
+            "shards_disjoint": set().union(*map(set, shards)) == set(dataset)
+                               and sum(len(set(a) & set(b)) for i, a in enumerate(shards)
+                                       for b in shards[i + 1:]) == sampler.total_size - len(dataset),
         }
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "equivalence.json"), "w") as f:
             json.dump(verdict, f, indent=1)

@@ -25,7 +25,7 @@ K, MICRO_BATCHES, BATCH = 4, 8, 4   # 2 windows of 4 micro-batches of 4 samples,
 
 class Count:
     def __init__(self):
-        self.process_group, self.calls = None, 0
+        self.process_group, self.calls = None, 0  # process_group None: the default group, all ranks
 
 
 def counting_hook(state, bucket):  # DDP's default all-reduce, counted

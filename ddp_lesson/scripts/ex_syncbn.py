@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 ex_syncbn.py
 Each rank trains a few steps on its own shard of batch 4, then logs every BatchNorm layer's
-type and running mean and variance. `broadcast_buffers=False`, so DDP does not copy rank 0's
+type and running mean and variance. `forward_sync_buffers=False`, so DDP does not copy rank 0's
 buffers over the others: what each rank holds is what its BN layers computed.
 Your job: make the ranks' running statistics agree, by normalising with global batch
 statistics.
@@ -35,10 +35,9 @@ def main():
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler)
     model = models.SmallCNN(width=8).to(device)
-    # EXERCISE: one line here (syncbn.convert_sync_batchnorm: nn.SyncBatchNorm on GPUs,
-    # its CPU stand-in on gloo)
+    # EXERCISE: add one line here
     model = DDP(model, device_ids=[local_rank] if use_cuda else None,
-                broadcast_buffers=False)  # DDP: keep each rank's own BN buffers
+                forward_sync_buffers=False)  # DDP: keep each rank's own BN buffers
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     for step, (x, y) in enumerate(loader, 1):

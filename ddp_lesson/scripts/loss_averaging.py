@@ -64,12 +64,13 @@ def main():
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     model = models.SmallCNN(norm=False, width=8).to(device)
+    # device_ids: the one GPU this process's model lives on (None for a CPU model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     step = 0
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (notebook 03)
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(model(x), y)    # this rank's mean over its own batch
@@ -89,8 +90,9 @@ def main():
                       flush=True)
 
     # Accuracy, counted right: every test sample exactly once (an unpadded shard per rank),
-    # counts summed over ranks, then one division. model.module: no DDP collectives here,
-    # so shards of different sizes are fine.
+    # counts summed over ranks, then one division. model.module is the plain model inside DDP:
+    # its forward sends nothing (DDP's own forward may broadcast buffers), so shards of
+    # different sizes are fine.
     shard = Subset(test_set, range(rank, len(test_set), world))
     counts = count_correct(model.module, DataLoader(shard, batch_size=256), device)
     dist.all_reduce(counts)
@@ -108,7 +110,7 @@ def main():
                     total=int(total), test_accuracy_padded=accuracy_padded, padded_total=padded.total_size)
         print(f"test accuracy {correct / total:.4f} ({int(correct)}/{int(total)}); "
               f"padded way {accuracy_padded:.4f} over {padded.total_size}", flush=True)
-        run_dir = os.environ.get("DDP_LESSON_RUN_DIR")
+        run_dir = os.environ.get("DDP_LESSON_RUN_DIR")  # the run's folder, set by the course's launcher
         if run_dir:  # so the notebook can check the accuracy on one process
             torch.save(model.module.state_dict(), os.path.join(run_dir, "model.pt"))
     dist.destroy_process_group()

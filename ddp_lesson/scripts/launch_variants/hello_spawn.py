@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 
 def worker(rank, world_size):
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # env:// from below
+    # no init_method: the default "env://" reads MASTER_ADDR/MASTER_PORT from the environment (set below)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     t = torch.ones(1)
     dist.all_reduce(t)
     print(f"mp.spawn: rank {rank} world {world_size} sum {t.item():.0f}", flush=True)
