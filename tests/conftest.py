@@ -11,7 +11,9 @@
   other people's runs on the same machine are never touched.
 """
 import os
+import shutil
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -98,3 +100,31 @@ def no_leftover_processes(tmp_path_factory):
         desc = [(p.pid, " ".join(p.cmdline()[:6])) for p in stragglers if procs.alive(p)]
         procs.kill_all(stragglers)  # ours: their run directory is in our temp folder
         pytest.fail(f"processes of a run were left behind: {desc}")
+
+
+@pytest.fixture(scope="module")
+def runs_base():
+    """A runs folder for one module's live worlds, outside pytest's temp folder: the
+    worlds live across tests, which no_leftover_processes would fail; this fixture
+    checks instead, at the module's end, that nothing of any world is left running."""
+    base = Path(tempfile.mkdtemp(prefix="ddp-lesson-world-"))
+    old = os.environ.get("DDP_LESSON_RUNS")
+    os.environ["DDP_LESSON_RUNS"] = str(base)
+    yield base
+    if old is None:
+        os.environ.pop("DDP_LESSON_RUNS", None)
+    else:
+        os.environ["DDP_LESSON_RUNS"] = old
+    left = [p for run_dir in base.iterdir() for p in procs.run_processes(run_dir)]
+    procs.kill_all(left)
+    shutil.rmtree(base, ignore_errors=True)
+    assert not left, f"processes of a world were left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def world(runs_base):
+    """One live world of the default rank count, shared by a module's tests."""
+    from ddp_lesson import world as world_mod
+    w = world_mod.start(cpu=True, timeout=60)
+    yield w
+    w.stop()

@@ -5,47 +5,19 @@ must kill or restart a world come last and use their own where they can. The ran
 is the default (DDP_LESSON_NPROC, else 2): expectations come from world.world_size.
 """
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
 from multiprocessing.connection import Client
-from pathlib import Path
 
 import pytest
 
 from conftest import child_env, wait_until
 from ddp_lesson import procs, world as world_mod
-
-
-@pytest.fixture(scope="module")
-def runs_base():
-    # Outside pytest's temp folder: conftest fails any test after which processes of a run
-    # there are alive, and the shared world lives across tests. This fixture checks instead.
-    base = Path(tempfile.mkdtemp(prefix="ddp-lesson-world-"))
-    old = os.environ.get("DDP_LESSON_RUNS")
-    os.environ["DDP_LESSON_RUNS"] = str(base)
-    yield base
-    if old is None:
-        os.environ.pop("DDP_LESSON_RUNS", None)
-    else:
-        os.environ["DDP_LESSON_RUNS"] = old
-    left = [p for run_dir in base.iterdir() for p in procs.run_processes(run_dir)]
-    procs.kill_all(left)
-    shutil.rmtree(base, ignore_errors=True)
-    assert not left, f"processes of a world were left behind: {left}"
-
-
-@pytest.fixture(scope="module")
-def world(runs_base):
-    w = world_mod.start(cpu=True, timeout=60)
-    yield w
-    w.stop()
 
 
 def test_names_persist_and_each_rank_answers(world):

@@ -4,44 +4,16 @@ malformed rank lists. Each test bounds its own wait, so that a hang fails it ins
 hanging the suite; expectations come from world.world_size, never from "2".
 """
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from conftest import wait_until
 from ddp_lesson import procs, world as world_mod
-
-
-@pytest.fixture(scope="module")
-def runs_base():
-    # Outside pytest's temp folder (the worlds live across tests); this fixture checks
-    # that nothing of any world here is left running.
-    base = Path(tempfile.mkdtemp(prefix="ddp-lesson-abuse-"))
-    old = os.environ.get("DDP_LESSON_RUNS")
-    os.environ["DDP_LESSON_RUNS"] = str(base)
-    yield base
-    if old is None:
-        os.environ.pop("DDP_LESSON_RUNS", None)
-    else:
-        os.environ["DDP_LESSON_RUNS"] = old
-    left = [p for run_dir in base.iterdir() for p in procs.run_processes(run_dir)]
-    procs.kill_all(left)
-    shutil.rmtree(base, ignore_errors=True)
-    assert not left, f"processes of a world were left behind: {left}"
-
-
-@pytest.fixture(scope="module")
-def world(runs_base):
-    w = world_mod.start(cpu=True, timeout=60)
-    yield w
-    w.stop()
 
 
 def in_thread(fn, limit):
