@@ -17,6 +17,7 @@ Pins down the exit-status contract and what gets printed:
   private PID namespace so it cannot reach other people's runs on a shared machine);
 - `demo --epochs 2` exits 0 and reports a test accuracy far above chance (10%).
 """
+import contextlib
 import json
 import os
 import re
@@ -100,26 +101,35 @@ def _ignored_signals(pid):
             signal.valid_signals()}
 
 
-@pytest.mark.timeout(90)
-def test_started_with_sigint_ignored_it_stays_ignored_and_sigterm_ends_the_run(tmp_path, tmp_run_dir):
-    """The documented choice (`run --help`, README): a background job of a non-interactive
-    shell or a nohup'ed command starts with SIGINT ignored, and the run leaves it so; SIGTERM
-    ends it as Ctrl-C would."""
+@contextlib.contextmanager
+def _sleeper_run(tmp_path, tmp_run_dir, sigint):
+    """`run sleeper.py` in its own process group (as a shell gives a job), started with the
+    SIGINT disposition `sigint`; yields the command once its ranks are ready, and ends it
+    and its output files whatever the test did."""
     out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
     p = subprocess.Popen(cli("run", SCRIPTS / "sleeper.py", "--run-dir", tmp_run_dir), cwd=tmp_path,
                          env=child_env(), stdout=out, stderr=err, start_new_session=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     try:
         assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
-        ignored = _ignored_signals(p.pid)
-        p.send_signal(signal.SIGTERM)
-        rc = p.wait(timeout=30)
+        yield p
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
         out.close()
         err.close()
+
+
+@pytest.mark.timeout(90)
+def test_started_with_sigint_ignored_it_stays_ignored_and_sigterm_ends_the_run(tmp_path, tmp_run_dir):
+    """The documented choice (`run --help`, README): a background job of a non-interactive
+    shell or a nohup'ed command starts with SIGINT ignored, and the run leaves it so; SIGTERM
+    ends it as Ctrl-C would."""
+    with _sleeper_run(tmp_path, tmp_run_dir, sigint=signal.SIG_IGN) as p:
+        ignored = _ignored_signals(p.pid)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=30)
     assert signal.SIGINT in ignored
     assert rc == 130, (tmp_path / "err.txt").read_text()
     assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"
@@ -127,16 +137,10 @@ def test_started_with_sigint_ignored_it_stays_ignored_and_sigterm_ends_the_run(t
 
 @pytest.mark.timeout(90)
 def test_ctrl_c_ends_every_process_and_exits_130(tmp_path, tmp_run_dir):
-    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
-    # its own process group, as a shell gives a foreground job
     # A terminal's foreground job has SIGINT at its default; pytest started as a background
     # job of a non-interactive shell (or under nohup) has it ignored, and the child would
     # inherit that, so the disposition the test means is set here.
-    p = subprocess.Popen(cli("run", SCRIPTS / "sleeper.py", "--run-dir", tmp_run_dir), cwd=tmp_path,
-                         env=child_env(), stdout=out, stderr=err, start_new_session=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
+    with _sleeper_run(tmp_path, tmp_run_dir, sigint=signal.SIG_DFL) as p:
         pids = {q.pid for q in procs.run_processes(tmp_run_dir)} | {q.pid for q in procs.tree(p.pid)}
         pids.discard(p.pid)
         assert len(pids) >= 3  # agent + 2 ranks
@@ -146,12 +150,6 @@ def test_ctrl_c_ends_every_process_and_exits_130(tmp_path, tmp_run_dir):
         exited = time.monotonic() - t0
         gone = wait_until(lambda: not [q for q in pids if psutil.pid_exists(q)
                                        and psutil.Process(q).status() != psutil.STATUS_ZOMBIE], 1)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        out.close()
-        err.close()
     print(f"Ctrl-C: command exited after {exited:.2f} s")
     assert rc == 130, (tmp_path / "err.txt").read_text()
     assert exited < 10
