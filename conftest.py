@@ -45,3 +45,4 @@ def pytest_collect_file(file_path, parent):
     name = f"{file_path.name}[{NPROC}ranks]"
     base = parent.nodeid + "/" if parent.nodeid else ""
     return AtNproc.from_parent(parent, path=file_path, name=name, nodeid=base + name)
+

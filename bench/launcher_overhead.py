@@ -24,14 +24,15 @@ def timed(cmd, cwd):
     return time.perf_counter() - t
 
 
-def overhead(repeat):
+def overhead(repeat, warm=True):
     with tempfile.TemporaryDirectory() as tmp:
         bare = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 str(HERE / "hello.py")]
         ours = [sys.executable, "-m", "ddp_lesson", "run", str(HERE / "hello.py"), "--nproc", "2", "--quiet",
                 "--cpu"]
         times = {"torchrun": [], "ddp_lesson run": []}
-        timed(bare, tmp)  # warm the file cache for both
+        if warm:
+            timed(bare, tmp)  # warm the file cache for both
         for i in range(repeat):
             times["torchrun"].append(timed(bare, tmp))
             times["ddp_lesson run"].append(timed(ours + ["--run-dir", f"{tmp}/r{i}"], tmp))
@@ -65,8 +66,8 @@ def metric_latency(rows):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer repetitions (for CI)")
+    p.add_argument("--quick", action="store_true", help="one launch of each, no warm-up (a smoke test for CI)")
     p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args()
-    overhead(2 if a.quick else a.repeat)
+    overhead(1 if a.quick else a.repeat, warm=not a.quick)
     metric_latency(30 if a.quick else 150)

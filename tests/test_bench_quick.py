@@ -25,7 +25,7 @@ def run_bench(bench, tmp_path, *args):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env["DDP_LESSON_RUNS"] = str(tmp_path / "runs")  # run directories go to the test's temp folder
     out = subprocess.run([sys.executable, str(bench), "--quick", *args], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=180)
+                         capture_output=True, text=True, timeout=280)   # under pytest-timeout's 300 s
     assert out.returncode == 0, f"{bench.name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out
 
