@@ -1,4 +1,12 @@
-"""The distributed lessons run twice under `python -m pytest`: at the default 2 CPU ranks
+"""How `python -m pytest` runs: in parallel workers (pytest-xdist, `-n auto --dist loadfile`
+in pyproject.toml), longest files first, and the distributed lessons twice.
+
+Parallel: one worker per core plus one (at most 8), because many tests mostly wait (a hang
+until its timeout, a Slurm job, a browser) while others compute. Each test file, and each
+notebook (its rerun too), goes whole to one worker, in order: a notebook's cells share a
+kernel, and a module's fixtures are built once. `-n 0` runs everything in this process.
+
+The distributed lessons run twice under `python -m pytest`: at the default 2 CPU ranks
 and again at 3, as on a machine with 3 GPUs, so nothing in them may assume 2.
 
 Each notebook in RERUN is collected a second time as `NN_name.ipynb[3ranks]`: a real nbval
@@ -8,6 +16,22 @@ execution of every cell (asserts included) in a kernel started with DDP_LESSON_N
 import os
 
 import pytest
+
+# The longest files first (seconds in the last fresh-clone run, 2 cores), so that none starts
+# last and keeps the others waiting; this changes only the order, never what runs.
+LONG_FIRST = [
+    "notebooks/11_capstone_gpt.ipynb", "tests/test_netns.py", "tests/test_cli.py",
+    "tests/test_bench_quick.py", "notebooks/07_troubleshooting.ipynb",
+    "notebooks/03b_ddp_equals_one_process.ipynb[3ranks]", "notebooks/10_beyond_ddp.ipynb",
+    "notebooks/09_collectives_and_ddp_from_scratch.ipynb", "notebooks/05_gradient_accumulation.ipynb[3ranks]",
+    "notebooks/04_sync_batchnorm.ipynb[3ranks]", "notebooks/03b_ddp_equals_one_process.ipynb",
+    "notebooks/05_gradient_accumulation.ipynb", "notebooks/04_sync_batchnorm.ipynb",
+    "notebooks/08_multi_node.ipynb", "notebooks/06_scaling_and_performance.ipynb",
+    "notebooks/03_ddp_torchrun.ipynb[3ranks]", "notebooks/03_ddp_torchrun.ipynb",
+    "tests/test_lessons_03_05.py", "tests/test_lesson_09.py", "tests/test_launch.py",
+    "tests/test_browser.py", "tests/test_lesson_10.py", "tests/test_world_size.py",
+    "tests/test_world_abuse.py", "tests/test_launch_stress.py", "notebooks/00_start_here.ipynb",
+]
 
 RERUN = {"02_loss_averaging.ipynb", "03_ddp_torchrun.ipynb", "03b_ddp_equals_one_process.ipynb",
          "04_sync_batchnorm.ipynb",
@@ -46,3 +70,12 @@ def pytest_collect_file(file_path, parent):
     base = parent.nodeid + "/" if parent.nodeid else ""
     return AtNproc.from_parent(parent, path=file_path, name=name, nodeid=base + name)
 
+
+
+def pytest_xdist_auto_num_workers(config):
+    return min(len(os.sched_getaffinity(0)) + 1, 8)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))   # stable: cells stay in order
