@@ -9,7 +9,7 @@ kernel, and a module's fixtures are built once. `-n 0` runs everything in this p
 The distributed lessons run twice under `python -m pytest`: at the default 2 CPU ranks
 and again at 3, as on a machine with 3 GPUs, so nothing in them may assume 2.
 
-Each notebook in RERUN is collected a second time as `NN_name.ipynb[3ranks]`: a real nbval
+Each notebook in RERUN is collected a second time as `NN_name.ipynb::3ranks`: a real nbval
 execution of every cell (asserts included) in a kernel started with DDP_LESSON_NPROC=3.
 `-k "not 3ranks"` leaves the reruns out while you work on one notebook.
 """
@@ -21,15 +21,12 @@ import pytest
 # last and keeps the others waiting; this changes only the order, never what runs.
 LONG_FIRST = [
     "notebooks/11_capstone_gpt.ipynb", "tests/test_netns.py", "tests/test_cli.py",
-    "tests/test_bench_quick.py", "notebooks/07_troubleshooting.ipynb",
-    "notebooks/03b_ddp_equals_one_process.ipynb[3ranks]", "notebooks/10_beyond_ddp.ipynb",
-    "notebooks/09_collectives_and_ddp_from_scratch.ipynb", "notebooks/05_gradient_accumulation.ipynb[3ranks]",
-    "notebooks/04_sync_batchnorm.ipynb[3ranks]", "notebooks/03b_ddp_equals_one_process.ipynb",
+    "tests/test_bench_quick.py", "notebooks/07_troubleshooting.ipynb", "notebooks/10_beyond_ddp.ipynb",
+    "notebooks/09_collectives_and_ddp_from_scratch.ipynb", "notebooks/03b_ddp_equals_one_process.ipynb",
     "notebooks/05_gradient_accumulation.ipynb", "notebooks/04_sync_batchnorm.ipynb",
     "notebooks/08_multi_node.ipynb", "notebooks/06_scaling_and_performance.ipynb",
-    "notebooks/03_ddp_torchrun.ipynb[3ranks]", "notebooks/03_ddp_torchrun.ipynb",
-    "tests/test_lessons_03_05.py", "tests/test_lesson_09.py", "tests/test_launch.py",
-    "tests/test_browser.py", "tests/test_lesson_10.py", "tests/test_world_size.py",
+    "notebooks/03_ddp_torchrun.ipynb", "tests/test_lessons_03_05.py", "tests/test_lesson_09.py",
+    "tests/test_launch.py", "tests/test_browser.py", "tests/test_lesson_10.py", "tests/test_world_size.py",
     "tests/test_world_abuse.py", "tests/test_launch_stress.py", "notebooks/00_start_here.ipynb",
 ]
 
@@ -68,7 +65,10 @@ def pytest_collect_file(file_path, parent):
 
     name = f"{file_path.name}[{NPROC}ranks]"
     base = parent.nodeid + "/" if parent.nodeid else ""
-    return AtNproc.from_parent(parent, path=file_path, name=name, nodeid=base + name)
+    # nodeid "notebooks/NN.ipynb::3ranks": xdist's loadfile puts the rerun in the same group
+    # as the first run, one after the other, since both write the same work/ files
+    return AtNproc.from_parent(parent, path=file_path, name=name,
+                               nodeid=f"{base}{file_path.name}::{NPROC}ranks")
 
 
 
