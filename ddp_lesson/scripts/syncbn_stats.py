@@ -1,4 +1,4 @@
-"""Check (lesson 04): SyncBatchNorm over N ranks of batch b == BatchNorm over the N*b batch.
+"""Check (notebook 04): SyncBatchNorm over N ranks of batch b == BatchNorm over the N*b batch.
 
 Every rank builds the same global batch, feeds its own b samples through SyncBatchNorm and,
 as the reference, the whole batch through a plain BatchNorm2d. Also times a DDP training
