@@ -1,12 +1,12 @@
-"""Checkers for the exercises where a learner edits a DDP script and launches it (03-05).
+"""Checkers for the exercises of 03-05 that launch a DDP script and read its run.
 
     run_dir = exercises.attempt("work/ex_set_epoch.py", exercises.check_set_epoch)
 
-Each check_* reads a finished run directory (config.json and the ranks' metrics) and raises
+Each check_* reads a finished run directory (config.json and the ranks' metrics; check_no_sync
+also the learner's prediction) and raises
 AssertionError with one sentence saying what is wrong, or returns a line saying what it saw.
 Expectations come from the run's own world size.
 """
-import math
 from collections import defaultdict
 
 from . import launch, runs
@@ -72,28 +72,30 @@ def check_syncbn(run_dir):
     return f"{len(types)} {types[0]} layers, running statistics equal on {world} rank(s) (max diff {worst:.1e})"
 
 
-def check_no_sync(run_dir):
-    """05: exactly one micro-batch per accumulation window all-reduces: the window's last;
-    the weights end equal on every rank."""
+def all_reduced(run_dir):
+    """05: {placement: [rank][micro-batch] -> did its forward and backward all-reduce?}, from
+    the rows ex_no_sync.py logged."""
     rec, world = _finished(run_dir)
-    windows = 0
-    for r in range(world):
-        micro = sorted((row["step"], row) for row in rec.rows if row["rank"] == r and "all_reduces" in row)
-        assert micro, f"rank {r} logged no micro-batches"
-        k = micro[0][1]["k"]
-        for start in range(0, len(micro), k):
-            window = [row for _, row in micro[start:start + k]]
-            synced = [row["step"] for row in window if row["all_reduces"] > 0]
-            n = sum(row["all_reduces"] for row in window)
-            assert len(synced) == 1, (f"rank {r}, micro-batches {window[0]['step']}-{window[-1]['step']}: "
-                                      f"{len(synced)} of them all-reduced ({n} all-reduces), not 1")
-            assert synced[0] == window[-1]["step"], \
-                f"rank {r}: the window's all-reduce came at micro-batch {synced[0]}, not at its last one"
-            windows += r == 0
-    sums = {row["rank"]: row["weights_sum"] for row in rec.rows if "weights_sum" in row}
-    assert len(sums) == world and all(math.isclose(s, sums[0], rel_tol=1e-9) for s in sums.values()), \
-        "the ranks' weights differ at the end: every window's gradient must be all-reduced"
-    return f"{windows} windows on each of {world} rank(s), one all-reduce each, at its last micro-batch"
+    out = {}
+    for row in sorted((r for r in rec.rows if "placement" in r), key=lambda r: (r["rank"], r["step"])):
+        ranks = out.setdefault(row["placement"], [[] for _ in range(world)])
+        ranks[row["rank"]].append(row["all_reduces"] > 0)
+    return out
+
+
+def check_no_sync(run_dir, predicted):
+    """05: `predicted` maps each placement of no_sync() to the micro-batches (numbered from 1)
+    whose forward and backward all-reduce; compared with what the run measured on every rank."""
+    measured = all_reduced(run_dir)
+    assert measured, "the run logged no micro-batches"
+    for placement, ranks in measured.items():
+        synced = [[k + 1 for k, on in enumerate(row) if on] for row in ranks]
+        assert all(s == synced[0] for s in synced), f"{placement}: the ranks all-reduced at different micro-batches {synced}"
+        guess = predicted.get(placement)
+        assert guess is not None, f"no prediction yet for {placement!r}"
+        assert sorted(guess) == synced[0], \
+            f"{placement}: you said micro-batches {sorted(guess)}, the run all-reduced at {synced[0]}"
+    return f"all {len(measured)} placements as the run measured them on {len(ranks)} rank(s)"
 
 
 # -- lesson 09: the bucketed hook ---------------------------------------------------------

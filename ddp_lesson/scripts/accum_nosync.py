@@ -1,4 +1,4 @@
-"""Check (lesson 05): gradient accumulation and no_sync().
+"""Check (notebook 05): gradient accumulation and no_sync().
 
 1. In one process: k micro-batches of b with loss/k give the gradient of one k*b batch
    (model without BN); with BN in training mode they do not, and we report by how much.

@@ -1,4 +1,4 @@
-"""Experiment (lesson 05): a published accumulation table's shape in one launch, on CPU ranks.
+"""Experiment (notebook 05): a published accumulation table's shape in one launch, on CPU ranks.
 
 One process on the global batch (rank 0 alone; the other rank waits), then 2 ranks with
 accumulation steps k = 1, 2, ... (no_sync on all but the last micro-batch): time per epoch,

@@ -1,4 +1,4 @@
-"""Lesson 05: ddp_syncbn.py + gradient accumulation with no_sync().
+"""Notebook 05: ddp_syncbn.py + gradient accumulation with no_sync().
 
     torchrun --standalone --nproc-per-node 2 ddp_accum.py --epochs 2 --accum-steps 4
 Every line that makes it distributed is marked # DDP.

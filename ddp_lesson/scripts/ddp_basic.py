@@ -1,4 +1,4 @@
-"""Lesson 03: DistributedDataParallel, one process per device, launched by torchrun.
+"""Notebook 03: DistributedDataParallel, one process per device, launched by torchrun.
 
     torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
 Every line that makes it distributed is marked # DDP.

@@ -1,4 +1,4 @@
-"""Check (lesson 03): DDP over N ranks trains exactly like one process on the global batch.
+"""Check (notebook 03b): DDP over N ranks trains exactly like one process on the global batch.
 
 Writes equivalence.json into the run directory:
 - different seeds per rank -> different weights before DDP(...), equal after it;

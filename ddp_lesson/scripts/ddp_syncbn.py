@@ -1,4 +1,4 @@
-"""Lesson 04: ddp_basic.py + SyncBatchNorm (BatchNorm statistics over all ranks' batches).
+"""Notebook 04: ddp_basic.py + SyncBatchNorm (BatchNorm statistics over all ranks' batches).
 
     torchrun --standalone --nproc-per-node 2 ddp_syncbn.py --epochs 2 --batch-size 4 --sync-bn
 Every line that makes it distributed is marked # DDP.

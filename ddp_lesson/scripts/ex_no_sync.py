@@ -1,10 +1,10 @@
-"""Exercise (lesson 05): one all-reduce per accumulation window.
+"""Exercise (notebook 05): which micro-batches all-reduce? no_sync() in four places.
 
     torchrun --standalone --nproc-per-node 2 ex_no_sync.py
-Gradient accumulation over K micro-batches per optimizer step. A communication hook counts
-the all-reduces DDP launches, and every micro-batch logs how many it caused (`all_reduces`),
-so a checker can count them per window from the run directory.
-Your job: make only the window's last micro-batch all-reduce, with model.no_sync().
+Runs one accumulation window of K = 4 micro-batches for each of four placements of
+model.no_sync(), each on a fresh DDP model. A communication hook counts the all-reduces DDP
+launches, and every micro-batch logs how many its forward and backward caused
+(`all_reduces`), so the notebook can read, per placement, which micro-batches all-reduced.
 """
 import contextlib
 import os
@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_lesson import data, metrics, models
 
-K, MICRO_BATCHES, BATCH = 4, 8, 4   # 2 windows of 4 micro-batches of 4 samples, per rank
+K, BATCH = 4, 4   # one window of 4 micro-batches of 4 samples, per rank and placement
 
 
 class Count:
@@ -33,6 +33,32 @@ def counting_hook(state, bucket):  # DDP's default all-reduce, counted
     return allreduce_hook(state.process_group, bucket)
 
 
+def micro_batch(model, x, y, placement, last):
+    """Forward and backward of one micro-batch, with no_sync() where `placement` puts it."""
+    skip = model.no_sync() if not last else contextlib.nullcontext()  # all but the last
+    if placement == "no_sync around backward only":
+        loss = F.cross_entropy(model(x), y) / K
+        with skip:
+            loss.backward()
+    elif placement == "no_sync around forward only":
+        with skip:
+            loss = F.cross_entropy(model(x), y) / K
+        loss.backward()
+    elif placement == "no_sync around forward and backward":
+        with skip:
+            loss = F.cross_entropy(model(x), y) / K
+            loss.backward()
+    elif placement == "no_sync on the last micro-batch only":  # the condition turned around
+        with model.no_sync() if last else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x), y) / K
+            loss.backward()
+    return loss
+
+
+PLACEMENTS = ("no_sync around backward only", "no_sync around forward only",
+              "no_sync around forward and backward", "no_sync on the last micro-batch only")
+
+
 @record
 def main():
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -42,28 +68,24 @@ def main():
         torch.cuda.set_device(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
 
-    train_set = data.shapes(BATCH * MICRO_BATCHES * dist.get_world_size(), seed=0)
+    train_set = data.shapes(BATCH * K * dist.get_world_size(), seed=0)
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler)
-    model = DDP(models.SmallCNN(width=8, norm=False).to(device),
-                device_ids=[local_rank] if use_cuda else None)  # DDP
-    count = Count()
-    model.register_comm_hook(count, counting_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-
-    for i, (x, y) in enumerate(loader):
-        last = (i + 1) % K == 0 or i + 1 == len(loader)  # the window's last micro-batch
-        before = count.calls
-        # EXERCISE: change the next three lines
-        loss = F.cross_entropy(model(x.to(device)), y.to(device)) / K
-        loss.backward()  # gradients add up in .grad over the window
-        after = count.calls
-        if last:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        metrics.log(i, loss=loss, k=K, last=last, all_reduces=after - before)
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    metrics.log(i, weights_sum=weights.double().sum(), weights_abs_sum=weights.double().abs().sum())
+    step = 0
+    for placement in PLACEMENTS:
+        model = DDP(models.SmallCNN(width=8, norm=False).to(device),
+                    device_ids=[local_rank] if use_cuda else None)  # DDP
+        count = Count()
+        model.register_comm_hook(count, counting_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for i, (x, y) in enumerate(loader):
+            before = count.calls
+            loss = micro_batch(model, x.to(device), y.to(device), placement, last=i == K - 1)
+            step += 1
+            metrics.log(step, placement=placement, micro_batch=i + 1, loss=loss,
+                        all_reduces=count.calls - before)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     dist.destroy_process_group()  # DDP
 
 

@@ -1,4 +1,4 @@
-"""Exercise (lesson 04): BatchNorm statistics that agree across ranks.
+"""Exercise (notebook 04): BatchNorm statistics that agree across ranks.
 
     torchrun --standalone --nproc-per-node 2 ex_syncbn.py
 Each rank trains a few steps on its own shard of batch 4, then logs every BatchNorm layer's

@@ -1,4 +1,4 @@
-"""Check (lesson 03): find_unused_parameters, when it is needed and what it costs.
+"""Check (notebook 03b): find_unused_parameters, when it is needed and what it costs.
 
 A model with a branch that only some steps use. Without find_unused_parameters=True, DDP
 waits for gradients of the unused branch that never come and fails on the next step; with

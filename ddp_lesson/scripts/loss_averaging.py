@@ -1,4 +1,4 @@
-"""Per-rank loss beside the reduced loss, and accuracy counted right (lesson 02).
+"""Per-rank loss beside the reduced loss, and accuracy counted right (notebook 02).
 
     torchrun --standalone --nproc-per-node 2 loss_averaging.py --epochs 1
 

@@ -1,4 +1,4 @@
-"""Check (lesson 04): SyncBatchNorm over N ranks of batch b == BatchNorm over the N*b batch.
+"""Check (notebook 04): SyncBatchNorm over N ranks of batch b == BatchNorm over the N*b batch.
 
 Every rank builds the same global batch, feeds its own b samples through SyncBatchNorm and,
 as the reference, the whole batch through a plain BatchNorm2d. Also times a DDP training
@@ -23,7 +23,7 @@ from ddp_lesson import data, models, syncbn
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 4  # per-rank batch
 
 
-def step_ms(model, x, y, steps=15):
+def step_ms(model, x, y, steps=5):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -1,4 +1,4 @@
-"""Lesson 03's starting point: a plain single-process training script, no DDP.
+"""Notebook 03's starting point: a plain single-process training script, no DDP.
 
     python train_single.py --epochs 2
 Notebook 03 shows the diff from this script to ddp_basic.py: those lines are DDP.
