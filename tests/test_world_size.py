@@ -3,7 +3,9 @@
 DDP_LESSON_NPROC=N sets the default number of CPU ranks; every lesson script counts each
 test sample exactly once at any world size. The runs are real torchrun trees at 1 and 3
 gloo ranks (3 does not divide the 1024 test samples, so DistributedSampler's padding
-would show as 1026), all started together so the suite pays torchrun's start-up once."""
+would show as 1026), all started together so the suite pays torchrun's start-up once.
+ddp_checks.py at 3 ranks (overlap, buffers, map_location) is not launched here: notebook 03b's
+3-rank rerun (conftest.py) asserts all of it on every rank, in the cell after its timeline."""
 import json
 from pathlib import Path
 
@@ -46,8 +48,6 @@ def launched(tmp_path_factory):
     started = {name: launch.start(SCRIPTS / script, nproc=nproc, cpu=True, args=args,
                                   run_dir=base / name, timeout=300)
                for name, (script, nproc, args, _) in RUNS.items()}
-    started["checks_3"] = launch.start(SCRIPTS / "ddp_checks.py", nproc=3, cpu=True,
-                                       run_dir=base / "checks_3", timeout=300)
     started["unet_4"] = launch.start(SCRIPTS / "unet_split.py", nproc=4, cpu=True,
                                      run_dir=base / "unet_4", timeout=300)
     for run in started.values():  # all finish before any test ends: conftest allows no live run
@@ -55,30 +55,6 @@ def launched(tmp_path_factory):
     yield started
     for run in started.values():
         run.stop()
-
-
-def checks(launched):
-    run = launched["checks_3"]
-    result = run.wait()
-    assert result["status"] == "ok", result.get("message")
-    return json.loads((run.run_dir / "ddp_checks.json").read_text())
-
-
-def test_all_reduce_starts_before_backward_ends(launched):
-    for r in checks(launched):
-        small, one = r["overlap_small_buckets"], r["overlap_one_bucket"]
-        assert small["buckets"] > 1 and small["first_all_reduce_before_backward_done_ms"] > 0, r
-        assert one["buckets"] == 1 and one["first_all_reduce_before_backward_done_ms"] <= 0, r
-
-
-def test_buffers_are_broadcast_from_rank_0(launched):
-    for r in checks(launched):
-        assert r["buffers_equal_with_broadcast"] and not r["buffers_equal_without_broadcast"], r
-
-
-def test_map_location_loads_onto_this_ranks_device(launched):
-    for r in checks(launched):
-        assert r["map_location"]["loaded_on"] == [r["device"]], r
 
 
 @pytest.mark.parametrize("name", list(RUNS))
