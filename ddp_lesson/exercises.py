@@ -179,17 +179,26 @@ def check_bucketed(stage):
 
 def check_global_batch(run_dir):
     """11: every optimizer step saw the global batch the script asked for (summed over
-    ranks), at the run's world size. Reads `global_batch_asked` (windows or samples per
-    step, logged once) and each rank's per-step count (`samples`, or `windows` in gpt_ddp.py)."""
-    rec, world = _finished(run_dir)
-    asked = {row["global_batch_asked"] for row in rec.rows if "global_batch_asked" in row}
-    assert len(asked) == 1, "the run did not log the global batch it asked for (global_batch_asked)"
-    asked = asked.pop()
+    ranks), at the run's world size. Reads `global_batch_asked` and `micro_batch` (logged
+    once, before training) and each rank's per-step count (`samples`, or `windows` in
+    gpt_ddp.py). Where no whole number of micro-batches per rank gives the global batch
+    (48 samples in micro-batches of 4 on 5 ranks), the right answer is to refuse: a run
+    that ended before its first step is accepted then."""
+    rec = runs.load(run_dir)
+    world = rec.config["world_size"]
+    head = next((row for row in rec.rows if "global_batch_asked" in row), None)
+    assert head, "the run did not log the global batch it asked for (global_batch_asked)"
+    asked, micro = head["global_batch_asked"], head.get("micro_batch")
     per_step = defaultdict(dict)                 # step -> {rank: samples this rank used}
     for row in rec.rows:
         n = row.get("samples", row.get("windows"))
         if n is not None:
             per_step[row["step"]][row["rank"]] = n
+    if rec.status != "ok":
+        message = (rec.result or {}).get("message")
+        assert micro and asked % (micro * world) and not per_step, f"the run ended {rec.status}: {message}"
+        return (f"refused before training, as it should: {asked} samples do not split into "
+                f"micro-batches of {micro} on {world} ranks")
     assert per_step, "the run logged no training steps"
     for step, by_rank in sorted(per_step.items()):
         assert sorted(by_rank) == list(range(world)), f"step {step}: not every rank logged it"

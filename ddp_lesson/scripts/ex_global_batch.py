@@ -4,7 +4,8 @@
 Each optimizer step should see GLOBAL samples in all, whatever the number of ranks, so that
 a run on 1, 2, 3 or 4 ranks trains the same model. Every rank logs how many samples it
 used in each step (`samples`), so a checker can add them up from the run directory.
-Your job: make ACCUM, the micro-batches per rank per step, give GLOBAL at any world size.
+Your job: make ACCUM, the micro-batches per rank per step, give GLOBAL at any world size
+(and where no whole number of micro-batches can, refuse before training).
 """
 import contextlib
 import os
@@ -31,6 +32,7 @@ def main():
         torch.cuda.set_device(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     world_size = dist.get_world_size()
+    metrics.log(0, global_batch_asked=GLOBAL, micro_batch=MICRO, world=world_size)
 
     # EXERCISE: change the next line
     ACCUM = 8  # micro-batches per rank per optimizer step
@@ -40,7 +42,6 @@ def main():
     model = DDP(models.SmallCNN(width=8, norm=False).to(device),
                 device_ids=[local_rank] if use_cuda else None)  # DDP
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    metrics.log(0, global_batch_asked=GLOBAL, world=world_size)
     for step in range(1, STEPS + 1):
         samples = 0
         for i in range(ACCUM):

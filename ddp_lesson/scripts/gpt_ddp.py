@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
 distributed is marked # DDP. Each optimizer step sees --global-batch windows of --block
-bytes, at any world size: each rank runs global / (micro * world) micro-batches.
+bytes, at any world size.
 """
 import argparse
 import contextlib
@@ -24,9 +24,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_lesson import costmodel, metrics
 
-# dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity)
-# (the first name found in the device's name wins: the longer names come first)
-DATASHEET_PEAK = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+# dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity; SXM
+# unless named): the FLOP/s of autocast's matmuls, not of fp32 ones
+DATASHEET_PEAK = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12,
                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12, "L4": 121e12,
                   "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
 
@@ -52,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--resume", default="", help="a checkpoint to continue from (any world size)")
     p.add_argument("--sample-bytes", type=int, default=200, help="generated at the end (0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-windows", type=int, default=0, help="train on the first n windows only (0: all)")
     p.add_argument("--allreduce-sweep", action="store_true", help="time all-reduces at the end (alpha-beta fit)")
     return p.parse_args(argv)
 
@@ -71,7 +72,7 @@ def split(text, val_fraction=0.1):
 
 
 class Windows(Dataset):
-    """Non-overlapping windows: x = bytes [i*T, i*T+T), y = the same shifted by one."""
+    """Non-overlapping windows: x = bytes [i*T, i*T+T), y = the same shifted by one, and i."""
 
     def __init__(self, data, block):
         self.data, self.block = data, block
@@ -81,7 +82,7 @@ class Windows(Dataset):
 
     def __getitem__(self, i):
         chunk = self.data[i * self.block: (i + 1) * self.block + 1]
-        return chunk[:-1], chunk[1:]
+        return chunk[:-1], chunk[1:], i
 
 
 # -- the model: a decoder-only transformer (pre-LayerNorm, tied embeddings) -----------------
@@ -114,6 +115,9 @@ class GPT(nn.Module):
         for m in self.modules():                  # GPT-2's init: small weights, a loss near ln 256 at step 0
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
+        for b in self.blocks:                     # ... and the layers that add to the residual stream
+            for m in (b.proj, b.mlp[2]):          # scaled by 1/sqrt(2 L): 2 L of them add up
+                nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * layers))
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -129,32 +133,44 @@ def flops_per_token(model, layers, width, block):
     return 6 * n + 12 * layers * block * width
 
 
+def datasheet_peak(name):
+    """The table's entry for a device name: the whole name first ("NVIDIA L40" is "L40"), else
+    the longest entry whose words are all words of the name ("H100 80GB HBM3": "H100"; an
+    L40S is not an L4). None for a device not in the table."""
+    words = [w for w in name.replace("-", " ").split() if w not in ("NVIDIA", "Tesla", "GeForce")]
+    if " ".join(words) in DATASHEET_PEAK:
+        return DATASHEET_PEAK[" ".join(words)]
+    fits = [key for key in DATASHEET_PEAK if all(w in words for w in key.split())]
+    return DATASHEET_PEAK[max(fits, key=len)] if fits else None
+
+
 def peak_flops(device, dtype):
-    """(FLOP/s, where from): a GPU's datasheet, else a matmul benchmark on this rank."""
-    if device.type == "cuda":
+    """(FLOP/s, where from): a GPU's fp16/bf16 datasheet peak, else a matmul rate measured on
+    this rank (an achieved rate, below the hardware's peak)."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         name = torch.cuda.get_device_name(device)
-        for key, peak in DATASHEET_PEAK.items():
-            if key in name:
-                return peak, f"datasheet ({name})"
-    n, best = 512, 0.0
+        peak = datasheet_peak(name)
+        if peak:
+            return peak, f"datasheet ({name}, dense {str(dtype).split('.')[-1]})"
+    n = 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(7):  # the best of 7: the peak this rank can get, not an average
+    best = 1 / matmul_s(a, b, tries=7)
+    return 2 * n ** 3 * best, f"measured matmul rate ({n}x{n} {str(dtype).split('.')[-1]}, best of up to 7)"
+
+
+def matmul_s(a, b, tries=5, budget_s=1.0):
+    """Seconds of one a @ b: the best of up to `tries` timings, fewer once `budget_s` is spent."""
+    a @ b
+    best, start = math.inf, time.perf_counter()
+    for _ in range(tries):
         t = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t))
-    return best, f"measured ({n}x{n} {str(dtype).split('.')[-1]} matmul, best of 7)"
-
-
-def matmul_s(device, dtype, n=256):
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    a @ a
-    t = time.perf_counter()
-    for _ in range(3):
-        a @ a
-    return time.perf_counter() - t
+        a @ b
+        if a.is_cuda:
+            torch.cuda.synchronize(a.device)
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s:
+            break
+    return best
 
 
 def lr_at(step, args):
@@ -171,7 +187,7 @@ def evaluate(model, val_set, n_windows, rank, world_size, device, autocast):
     sums = torch.zeros(2, dtype=torch.float64, device=device)   # [loss summed over tokens, tokens]
     with torch.no_grad(), autocast():
         for i in range(rank, min(n_windows, len(val_set)), world_size):
-            x, y = val_set[i]
+            x, y, _ = val_set[i]
             logits = model(x[None].to(device))
             sums[0] += F.cross_entropy(logits.float().view(-1, 256), y.to(device), reduction="sum")
             sums[1] += y.numel()
@@ -206,13 +222,16 @@ def main():
     if use_cuda:
         torch.cuda.set_device(local_rank)                    # DDP: one GPU per process
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
 
     # mixed precision: fp16 needs a GradScaler (small gradients underflow); bf16 does not
+    probe = {}
     if args.amp == "auto" and use_cuda:
         args.amp = "fp16"
-    elif args.amp == "auto":  # bf16 only pays on CPUs with bf16 instructions: measure it
-        faster = torch.tensor([float(matmul_s(device, torch.bfloat16) < matmul_s(device, torch.float32))])
+    elif args.amp == "auto":  # bf16 pays only where the CPU has a fast bf16 matmul: measure it
+        for dt in (torch.bfloat16, torch.float32):
+            a = torch.randn(128, 128, dtype=dt)
+            probe[f"matmul_s_{str(dt).split('.')[-1]}"] = matmul_s(a, a, tries=3)
+        faster = torch.tensor([float(probe["matmul_s_bfloat16"] < 0.8 * probe["matmul_s_float32"])])
         dist.all_reduce(faster, op=dist.ReduceOp.MIN)  # DDP: every rank must choose the same
         args.amp = "bf16" if faster.item() else "off"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp, torch.float32)
@@ -222,11 +241,14 @@ def main():
 
     text, n_files = stdlib_bytes()
     train_data, val_data = split(text)
+    if args.train_windows:  # a small epoch, for tests
+        train_data = train_data[:args.train_windows * args.block + 1]
     train_set, val_set = Windows(train_data, args.block), Windows(val_data, args.block)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
     steps_per_epoch = len(train_set) // args.global_batch   # the same at any world size
 
+    torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
     model = GPT(args.layers, args.heads, args.width, args.block).to(device)
     fpt = flops_per_token(model, args.layers, args.width, args.block)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -244,9 +266,9 @@ def main():
               f"{len(val_data):,} val bytes; {sum(p.numel() for p in model.parameters()):,} params; "
               f"amp={args.amp}; {accum} micro-batches of {args.micro_batch} per rank per step", flush=True)
     metrics.log(step, params=sum(p.numel() for p in model.parameters()), flops_per_token=fpt,
-                peak_flops=peak, peak_source=peak_source, amp=args.amp,
+                peak_flops=peak, peak_source=peak_source, amp=args.amp, micro_batch=args.micro_batch,
                 accum=accum, global_batch_asked=args.global_batch, train_windows=len(train_set),
-                train_bytes=len(train_data), val_bytes=len(val_data), files=n_files)
+                train_bytes=len(train_data), val_bytes=len(val_data), files=n_files, **probe)
 
     save_at = {int(s) for s in args.save_at.split(",") if s}
     stop = args.stop_at or args.steps
@@ -261,30 +283,35 @@ def main():
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args)
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss x tokens, tokens]
-            windows = 0                                                # this rank's, this step
+            ids = []                                                   # this rank's windows, this step
             for i in range(accum):
-                x, y = next(batches)
+                x, y, idx = next(batches)
                 x, y = x.to(device), y.to(device)
                 # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
                 with contextlib.nullcontext() if i == accum - 1 else model.no_sync():
                     with autocast():
                         logits = model(x)
                     loss = F.cross_entropy(logits.float().view(-1, 256), y.view(-1))
-                    scaler.scale(loss / accum).backward()  # DDP then averages over ranks: the global mean
-                sums += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
-                windows += len(y)
+                    # the mean over this micro-batch's tokens; every window has --block targets, so
+                    # / accum here and DDP's average over ranks make it the mean over the step's tokens
+                    scaler.scale(loss / accum).backward()
+                sums[0] += loss.detach().double() * y.numel()   # no .item(): no wait for the GPU
+                sums[1] += y.numel()
+                ids += idx.tolist()
             scaler.unscale_(opt)  # true gradients before clipping (no-op without fp16)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # before clipping
             scaler.step(opt)      # skips the step if fp16 gradients overflowed
             scaler.update()
             opt.zero_grad(set_to_none=True)
             step += 1
             dist.all_reduce(sums)  # DDP: for the log only: token-weighted loss over all ranks
-            tokens = windows * args.block                        # this rank's tokens this step
+            tokens = len(ids) * args.block                       # this rank's tokens this step
+            if use_cuda:
+                torch.cuda.synchronize(device)                   # the step's kernels are done
             step_s = time.perf_counter() - t0
-            metrics.log(step, loss=sums[0] / sums[1], windows=windows, lr=lr_at(step - 1, args),
-                        tokens_per_s=tokens / step_s, mfu=fpt * tokens / step_s / peak, step_s=step_s,
-                        epoch=epoch, **timer.lap())  # + data_s, compute_s, wait_s, mem_mb
+            metrics.log(step, loss=sums[0] / sums[1], grad_norm=grad_norm, windows=len(ids), window_ids=ids,
+                        lr=lr_at(step - 1, args), tokens_per_s=tokens / step_s, mfu=fpt * tokens / step_s / peak,
+                        step_s=step_s, epoch=epoch, **timer.lap())  # + data_s, compute_s, wait_s, mem_mb
             if step % args.eval_every == 0 or step == stop:
                 val_loss, val_tokens = evaluate(model, val_set, args.eval_windows, rank, world_size, device, autocast)
                 metrics.log(step, val_loss=val_loss, val_tokens=val_tokens)
