@@ -79,3 +79,23 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))   # stable: cells stay in order
+
+
+_NOTEBOOK_SECONDS = {}
+
+
+def pytest_runtest_logreport(report):
+    # in xdist's controller too: every worker's reports come back there
+    notebook = report.nodeid.split("::", 1)[0]
+    if notebook.endswith(".ipynb"):
+        key = notebook + ("::3ranks" if "::3ranks::" in report.nodeid else "")
+        _NOTEBOOK_SECONDS[key] = _NOTEBOOK_SECONDS.get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each notebook's headless time (kernel start and every cell), for the README's table.
+    Measured while other workers share the cores, so an upper bound of its time alone."""
+    if _NOTEBOOK_SECONDS:
+        terminalreporter.section("notebook times (all cells, kernel start included)")
+        for name, seconds in sorted(_NOTEBOOK_SECONDS.items()):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {name}")
