@@ -183,7 +183,8 @@ def check_global_batch(run_dir):
     once, before training) and each rank's per-step count (`samples`, or `windows` in
     gpt_ddp.py). Where no whole number of micro-batches per rank gives the global batch
     (48 samples in micro-batches of 4 on 5 ranks), the right answer is to refuse: a run
-    that ended before its first step is accepted then."""
+    that ended before its first step with `raise SystemExit(message)` (exit status 1, the
+    message and no traceback on stderr) is accepted then; any other crash is not."""
     rec = runs.load(run_dir)
     world = rec.config["world_size"]
     head = next((row for row in rec.rows if "global_batch_asked" in row), None)
@@ -197,6 +198,9 @@ def check_global_batch(run_dir):
     if rec.status != "ok":
         message = (rec.result or {}).get("message")
         assert micro and asked % (micro * world) and not per_step, f"the run ended {rec.status}: {message}"
+        failure = (rec.result or {}).get("failure") or {}
+        assert failure.get("exitcode") == 1 and "Traceback" not in failure.get("traceback", ""), (
+            f"the run crashed, which is not a refusal (refuse with raise SystemExit(message)): {message}")
         return (f"refused before training, as it should: {asked} samples do not split into "
                 f"micro-batches of {micro} on {world} ranks")
     assert per_step, "the run logged no training steps"

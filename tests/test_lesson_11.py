@@ -37,8 +37,10 @@ def test_datasheet_peak_matches_whole_names_first():
     cases = {"NVIDIA L4": 121e12, "NVIDIA L40": 181e12, "NVIDIA L40S": 362e12, "NVIDIA A10": 125e12,
              "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 NVL": 835e12,
              "NVIDIA H100 PCIe": 756e12, "NVIDIA H200 NVL": 835e12, "NVIDIA H200": 989e12,
-             "Tesla T4": 65e12, "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA A10G": None}
+             "Tesla T4": 65e12, "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA A10G": None,
+             "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA GeForce RTX 4090 D": None}   # a D is not a 4090
     assert {name: gpt.datasheet_peak(name) for name in cases} == cases
+    assert gpt.datasheet_peak("Tesla T4", torch.bfloat16) is None            # no bf16 tensor cores
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +131,23 @@ def test_bf16_autocast_trains_near_fp32_and_samples(trio):
     for key, tol in (("loss", 0.02), ("grad_norm", 0.05)):
         rb, rf = series(bf16, key), series(fp32, key)
         assert sorted(rb) == [1, 2] and all(abs(rb[s] - rf[s]) < tol * rf[s] for s in rb), (key, rb, rf)
+    # ... but not equal to it: autocast really ran in bf16 (fp32 at 1 vs 3 ranks differs ~1e-6)
+    rb, rf = series(bf16, "loss"), series(fp32, "loss")
+    assert any(abs(rb[s] - rf[s]) > 1e-4 * rf[s] for s in rb), (rb, rf)
     assert len(bf16.last("sample", rank=0)) >= 8
 
 
-def fake_run(tmp_path, per_rank_samples, asked=8, micro=2, world=None, status="ok"):
+REFUSAL = {"rank": 0, "exitcode": 1, "message": "rank 0 exited with status 1",   # raise SystemExit(text)
+           "traceback": "48 samples do not split into micro-batches of 4 on 5 ranks\n"}
+CRASH = {"rank": 0, "exitcode": 1, "message": "name 'ACUM' is not defined",     # any other exception
+         "traceback": "Traceback (most recent call last):\n  ...\nNameError: name 'ACUM' is not defined\n"}
+
+
+def fake_run(tmp_path, per_rank_samples, asked=8, micro=2, world=None, status="ok", failure=None):
     world = world or len(per_rank_samples)
     (tmp_path / "metrics").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps({"world_size": world}))
-    (tmp_path / "result.json").write_text(json.dumps({"status": status, "message": "SystemExit"}))
+    (tmp_path / "result.json").write_text(json.dumps({"status": status, "message": "failed", "failure": failure}))
     for rank in range(world):
         samples = per_rank_samples[rank] if rank < len(per_rank_samples) else []
         rows = [{"rank": rank, "step": 0, "time": 0, "global_batch_asked": asked, "micro_batch": micro}]
@@ -153,8 +164,12 @@ def test_check_global_batch_accepts_the_sum_or_a_refusal_and_rejects_the_rest(tm
         exercises.check_global_batch(fake_run(tmp_path / "gap", [[4, 4], [4]]))
     # 48 in micro-batches of 4 on 5 ranks: no whole number fits; refusing is right, 40 is not
     assert "refused" in exercises.check_global_batch(
-        fake_run(tmp_path / "refused", [], asked=48, micro=4, world=5, status="failed"))
+        fake_run(tmp_path / "refused", [], asked=48, micro=4, world=5, status="failed", failure=REFUSAL))
+    with pytest.raises(AssertionError, match="not a refusal"):       # a crash at W=5 is not one
+        exercises.check_global_batch(
+            fake_run(tmp_path / "crashed", [], asked=48, micro=4, world=5, status="failed", failure=CRASH))
     with pytest.raises(AssertionError, match="not the 48 asked"):
         exercises.check_global_batch(fake_run(tmp_path / "forty", [[8]] * 5, asked=48, micro=4))
     with pytest.raises(AssertionError, match="ended failed"):          # 48 splits on 4 ranks: no excuse
-        exercises.check_global_batch(fake_run(tmp_path / "crash", [], asked=48, micro=4, world=4, status="failed"))
+        exercises.check_global_batch(
+            fake_run(tmp_path / "crash", [], asked=48, micro=4, world=4, status="failed", failure=REFUSAL))

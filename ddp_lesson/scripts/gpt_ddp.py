@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
-distributed is marked # DDP. Each optimizer step sees --global-batch windows of --block
+distributed is marked # DDP (the StepTimer line too: its comm hook does the gradient
+averaging, as DDP's default hook would, and times it). Each optimizer step sees --global-batch windows of --block
 bytes, at any world size.
 """
 import argparse
@@ -10,6 +11,7 @@ import contextlib
 import glob
 import math
 import os
+import re
 import sysconfig
 import time
 
@@ -25,10 +27,12 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_lesson import costmodel, metrics
 
 # dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity; SXM
-# unless named): the FLOP/s of autocast's matmuls, not of fp32 ones
+# unless named): the FLOP/s of autocast's matmuls, not of fp32 ones. The T4 has no bf16 tensor
+# cores, so it is listed for fp16 only (NO_BF16)
 DATASHEET_PEAK = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12,
                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12, "L4": 121e12,
                   "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
+NO_BF16 = {"T4"}
 
 
 def parse_args(argv=None):
@@ -112,9 +116,11 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tok.weight        # tied: one matrix reads and writes bytes
-        for m in self.modules():                  # GPT-2's init: small weights, a loss near ln 256 at step 0
+        for m in self.modules():                  # GPT-2's init: small weights, zero biases, a loss near ln 256 at step 0
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
         for b in self.blocks:                     # ... and the layers that add to the residual stream
             for m in (b.proj, b.mlp[2]):          # scaled by 1/sqrt(2 L): 2 L of them add up
                 nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * layers))
@@ -128,20 +134,23 @@ def flops_per_token(model, layers, width, block):
     """6N + 12 L T d, training FLOPs per token (forward 2, backward 4 per weight and token).
     N counts the weights that multiply: every Linear (the tied head once), not biases,
     LayerNorms or the position table. 12 L T d: the attention scores and their use on v,
-    over the full T x T (as nanoGPT and PaLM count it; the causal mask skips half)."""
+    over the full T x T (as nanoGPT and PaLM count it). The causal mask makes half of them
+    unused; this script still computes them, only fused attention kernels skip them."""
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return 6 * n + 12 * layers * block * width
 
 
-def datasheet_peak(name):
-    """The table's entry for a device name: the whole name first ("NVIDIA L40" is "L40"), else
-    the longest entry whose words are all words of the name ("H100 80GB HBM3": "H100"; an
-    L40S is not an L4). None for a device not in the table."""
+def datasheet_peak(name, dtype=torch.float16):
+    """The table's entry for a device name: the whole name ("NVIDIA L40" is "L40"; an L40S is
+    not an L4), else the name without its memory and form-factor words ("H100 80GB HBM3" is
+    "H100", "A100-SXM4-80GB" is "A100"). Any other word (the "D" of an RTX 4090 D) makes it
+    another device: None, as for a device not in the table or a dtype it has no peak for."""
     words = [w for w in name.replace("-", " ").split() if w not in ("NVIDIA", "Tesla", "GeForce")]
-    if " ".join(words) in DATASHEET_PEAK:
-        return DATASHEET_PEAK[" ".join(words)]
-    fits = [key for key in DATASHEET_PEAK if all(w in words for w in key.split())]
-    return DATASHEET_PEAK[max(fits, key=len)] if fits else None
+    sku = [w for w in words if not re.fullmatch(r"\d+GB|HBM\d*e?|SXM\d*|PCIE", w)]
+    for key in (" ".join(words), " ".join(sku)):
+        if key in DATASHEET_PEAK:
+            return None if dtype == torch.bfloat16 and key in NO_BF16 else DATASHEET_PEAK[key]
+    return None
 
 
 def peak_flops(device, dtype):
@@ -149,7 +158,7 @@ def peak_flops(device, dtype):
     this rank (an achieved rate, below the hardware's peak)."""
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         name = torch.cuda.get_device_name(device)
-        peak = datasheet_peak(name)
+        peak = datasheet_peak(name, dtype)
         if peak:
             return peak, f"datasheet ({name}, dense {str(dtype).split('.')[-1]})"
     n = 512
@@ -260,7 +269,9 @@ def main():
         scaler.load_state_dict(ckpt["scaler"])
         step = ckpt["step"]
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
-    timer = metrics.StepTimer(model)  # time per step: data / compute / waiting in the all-reduce
+    # DDP: registers a comm hook that averages gradients like DDP's default (divide by the
+    # world size, all-reduce) and times it: data / compute / waiting in the all-reduce
+    timer = metrics.StepTimer(model)
     if rank == 0:
         print(f"world_size={world_size} data: {n_files} files, {len(train_data):,} train bytes, "
               f"{len(val_data):,} val bytes; {sum(p.numel() for p in model.parameters()):,} params; "
