@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
 distributed is marked # DDP (the StepTimer line too: its comm hook does the gradient
-averaging, as DDP's default hook would, and times it). Each optimizer step sees --global-batch windows of --block
-bytes, at any world size.
+averaging, as DDP's default hook would, and times it). Each optimizer step sees
+--global-batch windows of --block bytes, at any world size.
 """
 import argparse
 import contextlib
