@@ -101,7 +101,7 @@ def check_no_sync(run_dir, predicted):
         guess = predicted.get(placement)
         assert guess is not None, f"no prediction yet for {placement!r}"
         assert sorted(guess) == synced[0], \
-            f"{placement}: you said micro-batches {sorted(guess)}, the run all-reduced at {synced[0]}"
+            f"{placement}: you said micro-batches {sorted(guess)}, which is not what the run measured"
     return f"all {len(measured)} placements as the run measured them on {len(ranks)} rank(s)"
 
 

@@ -87,8 +87,9 @@ def test_no_sync(tmp_path):
     assert exercises.all_reduced(ok)["last only"] == [[True, True, True, False]] * 3
     with pytest.raises(AssertionError, match="no prediction yet"):       # the starter
         exercises.check_no_sync(ok, dict.fromkeys(RIGHT))
-    with pytest.raises(AssertionError, match=r"forward only: you said micro-batches \[1, 2, 3, 4\]"):
+    with pytest.raises(AssertionError, match=r"forward only: you said micro-batches \[1, 2, 3, 4\]") as wrong:
         exercises.check_no_sync(ok, {**RIGHT, "forward only": [1, 2, 3, 4]})
+    assert "[4]" not in str(wrong.value)             # a wrong guess must not reveal the measured answer
     split = fake_run(tmp_path / "split", 2, placement_rows(2, RIGHT, differ_on_rank=1))
     with pytest.raises(AssertionError, match="ranks all-reduced at different"):
         exercises.check_no_sync(split, RIGHT)
