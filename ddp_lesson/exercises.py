@@ -32,10 +32,13 @@ def _finished(run_dir):
 
 
 def check_set_epoch(run_dir):
-    """03: every epoch a new order, the same shuffle on every rank (disjoint shards that
-    together cover the data set once per epoch)."""
+    """03: every epoch a new order, the same shuffle on every rank: disjoint shards that
+    together cover all the data set's samples once per epoch, and change from epoch to epoch."""
     rec, world = _finished(run_dir)
     order = defaultdict(list)                    # (rank, epoch) -> indices in training order
+    sizes = {row["samples"] for row in rec.rows if "samples" in row}
+    assert len(sizes) == 1, "the run did not log its data set's size (samples) once, the same on every rank"
+    n = sizes.pop()
     for row in rec.rows:
         if "indices" in row:
             order[row["rank"], row["epoch"]].extend(row["indices"])
@@ -44,13 +47,17 @@ def check_set_epoch(run_dir):
     for e in epochs:
         shards = [order[r, e] for r in range(world)]
         everything = sorted(i for s in shards for i in s)
-        assert everything == sorted(set(everything)) and len(everything) == sum(map(len, shards)), \
+        assert everything == sorted(set(everything)), \
             f"epoch {e}: some sample was trained on by two ranks (are the shards still DistributedSampler's?)"
-        assert len(set(everything)) == max(everything) + 1, f"epoch {e}: some samples were never used"
-    for r in range(world):
-        for a, b in zip(epochs, epochs[1:]):
+        assert everything == list(range(n)), \
+            f"epoch {e}: the shards cover {len(set(everything) & set(range(n)))} of the {n} samples"
+    for a, b in zip(epochs, epochs[1:]):
+        for r in range(world):
             assert order[r, a] != order[r, b], \
                 f"rank {r} saw the same samples in the same order in epochs {a} and {b}"
+        assert world == 1 or any(set(order[r, a]) != set(order[r, b]) for r in range(world)), \
+            f"every rank trained on the same samples in epochs {a} and {b}, only reordered: " \
+            "shuffle all n indices, then give each rank its share"
     return f"{world} rank(s), {len(epochs)} epochs, each epoch a new order"
 
 
@@ -94,7 +101,7 @@ def check_no_sync(run_dir, predicted):
         guess = predicted.get(placement)
         assert guess is not None, f"no prediction yet for {placement!r}"
         assert sorted(guess) == synced[0], \
-            f"{placement}: you said micro-batches {sorted(guess)}, the run all-reduced at {synced[0]}"
+            f"{placement}: you said micro-batches {sorted(guess)}, which is not what the run measured"
     return f"all {len(measured)} placements as the run measured them on {len(ranks)} rank(s)"
 
 

@@ -21,18 +21,27 @@ def fake_run(path, world, rows, status="ok"):
     return path
 
 
-def epochs(orders):  # orders[rank][epoch] = indices
-    return [{"rank": r, "step": e, "epoch": e, "indices": idx}
-            for r, per_rank in enumerate(orders) for e, idx in enumerate(per_rank)]
+def epochs(orders, samples=4):  # orders[rank][epoch] = indices; samples = the data set's size
+    return [{"rank": r, "step": 0, "samples": samples} for r in range(len(orders))] + \
+        [{"rank": r, "step": e + 1, "epoch": e, "indices": idx}
+         for r, per_rank in enumerate(orders) for e, idx in enumerate(per_rank)]
 
 
 def test_set_epoch(tmp_path):
-    good = fake_run(tmp_path / "good", 2, epochs([[[0, 2], [2, 0]], [[1, 3], [3, 1]]]))
+    good = fake_run(tmp_path / "good", 2, epochs([[[0, 2], [3, 0]], [[1, 3], [2, 1]]]))
     assert "2 epochs" in exercises.check_set_epoch(good)
+    # randperm(n // world_size) instead of randperm(n): disjoint, new order, half the data unused
+    half = fake_run(tmp_path / "half", 2, epochs([[[0], [1]], [[1], [0]]]))
+    with pytest.raises(AssertionError, match="cover 2 of the 4 samples"):
+        exercises.check_set_epoch(half)
+    # each rank shuffles its fixed stripe range(rank, n, world): new order, same samples forever
+    stripe = fake_run(tmp_path / "stripe", 2, epochs([[[0, 2], [2, 0]], [[1, 3], [3, 1]]]))
+    with pytest.raises(AssertionError, match="same samples in epochs 0 and 1"):
+        exercises.check_set_epoch(stripe)
     same = fake_run(tmp_path / "same", 2, epochs([[[0, 2], [0, 2]], [[1, 3], [3, 1]]]))
     with pytest.raises(AssertionError, match="same order in epochs 0 and 1"):
         exercises.check_set_epoch(same)
-    overlap = fake_run(tmp_path / "overlap", 2, epochs([[[0, 1], [1, 0]], [[0, 1], [1, 0]]]))
+    overlap = fake_run(tmp_path / "overlap", 2, epochs([[[0, 1], [1, 0]], [[0, 1], [1, 0]]], samples=2))
     with pytest.raises(AssertionError, match="two ranks"):
         exercises.check_set_epoch(overlap)
     failed = fake_run(tmp_path / "failed", 1, epochs([[[0], [0]]]), status="failed")
@@ -78,8 +87,9 @@ def test_no_sync(tmp_path):
     assert exercises.all_reduced(ok)["last only"] == [[True, True, True, False]] * 3
     with pytest.raises(AssertionError, match="no prediction yet"):       # the starter
         exercises.check_no_sync(ok, dict.fromkeys(RIGHT))
-    with pytest.raises(AssertionError, match=r"forward only: you said micro-batches \[1, 2, 3, 4\]"):
+    with pytest.raises(AssertionError, match=r"forward only: you said micro-batches \[1, 2, 3, 4\]") as wrong:
         exercises.check_no_sync(ok, {**RIGHT, "forward only": [1, 2, 3, 4]})
+    assert "[4]" not in str(wrong.value)             # a wrong guess must not reveal the measured answer
     split = fake_run(tmp_path / "split", 2, placement_rows(2, RIGHT, differ_on_rank=1))
     with pytest.raises(AssertionError, match="ranks all-reduced at different"):
         exercises.check_no_sync(split, RIGHT)

@@ -112,3 +112,30 @@ def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():
         model = syncbn.convert_sync_batchnorm(torch.nn.Sequential(bn)).eval()
         assert isinstance(model[0], syncbn.CPUSyncBatchNorm)
         assert model(x).shape == x.shape
+
+
+def test_cpu_syncbn_trains_without_running_stats_and_without_a_warning():
+    """A BN layer with track_running_stats=False trains (nn.SyncBatchNorm handles it too), and
+    the stand-in's all-reduce warns nothing (torch.distributed.nn.functional's warns
+    FutureWarning in torch 2.x). One gloo rank in this process; 04 runs the 2-rank case."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ddp_lesson import syncbn
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for track in (True, False):
+            model = syncbn.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3, track_running_stats=track)))
+            ref = nn.BatchNorm2d(3, track_running_stats=track)
+            x = torch.randn(4, 3, 5, 5, requires_grad=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                model(x).pow(2).sum().backward()
+            grad, x.grad = x.grad, None
+            ref(x).pow(2).sum().backward()
+            assert torch.allclose(grad, x.grad, atol=1e-4)
+    finally:
+        dist.destroy_process_group()
