@@ -42,6 +42,7 @@ HANDSHAKE_S = 5                 # a peer must prove the key and say hello within
 MAX_HANDSHAKES = 32             # peers in their handshake at once; more are turned away
 INBOX_BATCHES = 8               # batches (<= BATCH_BYTES each) read ahead before ranks wait
 BATCH_BYTES = 1 << 20
+KEEP_CHARS = 8 << 20            # a call's output kept per rank and stream; the rest is counted
 WAIT_STEP_S = 0.1               # how often a waiting call looks at its deadline and Ctrl-C
 
 
@@ -235,7 +236,7 @@ class World:
                     self._rank_gone(rank)
                 elif len(msg) > 1 and msg[1] == call and rank in reply.busy:
                     if msg[0] == "out" and msg[2] in ("stdout", "stderr"):
-                        reply.texts[rank][msg[2]].append(msg[3])
+                        reply.add(rank, msg[2], msg[3])
                         if on_output is not None:
                             on_output(rank, msg[2], msg[3])
                     elif msg[0] == "done":
@@ -396,14 +397,30 @@ class _Reply:
         self.ranks = list(ranks)
         self.busy = set(ranks)
         self.texts = {r: {"stdout": [], "stderr": []} for r in ranks}
+        self.kept = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
+        self.dropped = dict.fromkeys(self.kept, 0)
         self.done = {}
+
+    def add(self, rank, stream, text):
+        # a rank printing without end must not fill the kernel's memory: keep the first
+        # KEEP_CHARS of each stream, count the rest
+        room = KEEP_CHARS - self.kept[rank, stream]
+        if room > 0:
+            self.texts[rank][stream].append(text[:room])
+            self.kept[rank, stream] += min(len(text), room)
+        self.dropped[rank, stream] += max(0, len(text) - max(room, 0))
+
+    def _text(self, rank, stream):
+        text = "".join(self.texts[rank][stream])
+        dropped = self.dropped[rank, stream]
+        return text + (f"\n[... {dropped:,} more characters not kept: a call keeps the first "
+                       f"{KEEP_CHARS:,} of each rank's {stream}]\n" if dropped else "")
 
     def results(self):
         out = []
         for r in self.ranks:
             value, error = self.done.get(r, (None, None))
-            out.append(RankResult(r, "".join(self.texts[r]["stdout"]),
-                                  "".join(self.texts[r]["stderr"]), value, error))
+            out.append(RankResult(r, self._text(r, "stdout"), self._text(r, "stderr"), value, error))
         return out
 
 

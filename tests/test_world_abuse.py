@@ -289,3 +289,15 @@ def test_one_status_panel_per_world_however_often_it_restarts(shell):
         assert res.success, res.error_in_exec
         assert panel(cap) == first, "each restart showed a new status panel"
         assert "ready" in cap.outputs[-1].data["text/plain"]
+
+
+def test_endless_output_is_kept_up_to_a_bound(world):
+    # the kernel keeps the first KEEP_CHARS of a call's output per rank and counts the rest
+    # (printing without end filled a 24 GiB machine before)
+    over = world_mod.KEEP_CHARS + 3_000_000
+    res = world.run(f"print('z' * {over}, end='')", ranks=[0])[0]
+    assert res.stdout.startswith("z" * world_mod.KEEP_CHARS)
+    assert len(res.stdout) < world_mod.KEEP_CHARS + 200
+    assert "3,000,000 more characters not kept" in res.stdout, res.stdout[-200:]
+    small = world.run("print('short')", ranks=[0])[0]
+    assert small.stdout == "short\n"
