@@ -4,6 +4,7 @@
 - `write_script`: writes a Python script into tmp_path and returns its path.
 - `repo_env`: an environment for child processes that can import ddp_lesson from this
   checkout, without any DDP_LESSON_* variables inherited from the caller.
+- `kernel_sigint`: SIGINT raises KeyboardInterrupt during the test, whatever was inherited.
 - `no_leftover_processes` (autouse): after every test, no process whose
   DDP_LESSON_RUN_DIR lies under this session's pytest temp folder may still be alive
   (waits a few seconds for them to go, then kills them and fails the test).
@@ -12,6 +13,7 @@
 """
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import textwrap
@@ -88,6 +90,15 @@ def write_script(tmp_path):
 @pytest.fixture
 def repo_env():
     return child_env()
+
+
+@pytest.fixture
+def kernel_sigint():
+    """SIGINT raises KeyboardInterrupt here, as a notebook's Interrupt does in a kernel,
+    whatever this process inherited (a background job starts with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,9 @@ import pytest
 from conftest import child_env, wait_until
 from ddp_lesson import procs, world as world_mod
 
+# these tests interrupt world.run() as a notebook's Interrupt would
+pytestmark = pytest.mark.usefixtures("kernel_sigint")
+
 
 def test_names_persist_and_each_rank_answers(world):
     n = world.world_size

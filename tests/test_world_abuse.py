@@ -15,6 +15,9 @@ import pytest
 from conftest import wait_until
 from ddp_lesson import procs, world as world_mod
 
+# these tests interrupt world.run() as a notebook's Interrupt would
+pytestmark = pytest.mark.usefixtures("kernel_sigint")
+
 
 def in_thread(fn, limit):
     """Run fn() on a thread; (finished, result or exception, seconds) after at most `limit`."""
