@@ -109,16 +109,26 @@ def test_redraw_reuses_lines_and_thins_long_curves():
     assert len(mean.get_xdata()) <= 501 and mean.get_xdata()[-1] == 4999
 
 
-def test_live_plot_redraw_of_10000_points_is_fast():
-    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s}
-            for s in range(1, 5001) for r in (0, 1)]
-    live = plots.LivePlot(("loss", "test_accuracy"))
-    live.add(rows)
-    assert live.points() == 10_000
-    live.render("warm-up")
-    best = min(_timed(live.render, "run: running") for _ in range(3))
-    # the goal is < 0.1 s (bench/panel_overhead.py prints it); loose here for busy machines
-    assert best < 0.5, f"a redraw of 10,000 points took {best * 1000:.0f} ms"
+def test_live_plot_redraw_of_10000_points_costs_about_what_100_do():
+    # Compared side by side in one process, so a busy machine slows both alike: the thinned
+    # redraw must not grow with the points kept (an O(n) or worse redraw fails this at 100x
+    # the points). The absolute goal (< 0.1 s) is printed by bench/panel_overhead.py.
+    def live_plot(n_steps):
+        live = plots.LivePlot(("loss", "test_accuracy"))
+        live.add([{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s}
+                  for s in range(1, n_steps + 1) for r in (0, 1)])
+        live.render("warm-up")
+        return live
+
+    small, big = live_plot(50), live_plot(5000)
+    assert (small.points(), big.points()) == (100, 10_000)
+    t_small, t_big = [], []
+    for _ in range(5):   # interleaved, best of five each
+        t_small.append(_timed(small.render, "run: running"))
+        t_big.append(_timed(big.render, "run: running"))
+    ratio = min(t_big) / min(t_small)
+    print(f"redraw: 100 points {min(t_small) * 1000:.0f} ms, 10,000 points {min(t_big) * 1000:.0f} ms")
+    assert ratio < 2.5, f"a redraw of 10,000 points took {ratio:.1f}x one of 100 points"
 
 
 def _timed(fn, *args):
