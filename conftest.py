@@ -82,20 +82,61 @@ def pytest_collection_modifyitems(config, items):
 
 
 _NOTEBOOK_SECONDS = {}
+_CPU_SECONDS = {}     # test file (a notebook's rerun apart) -> CPU seconds
+
+
+def _cpu_now():
+    t = os.times()   # this process, and the children it has waited for (a kernel and its torchruns)
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _count_cpu(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _count_cpu(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _count_cpu(item, "teardown")
+
+
+def _count_cpu(item, when):
+    start = _cpu_now()
+    yield
+    item.user_properties.append((f"cpu_s:{when}", _cpu_now() - start))   # the phase's report carries it
+
+
+def _group(nodeid):
+    path = nodeid.split("::", 1)[0]
+    return path + ("::3ranks" if "::3ranks::" in nodeid else "")
 
 
 def pytest_runtest_logreport(report):
     # in xdist's controller too: every worker's reports come back there
-    notebook = report.nodeid.split("::", 1)[0]
-    if notebook.endswith(".ipynb"):
-        key = notebook + ("::3ranks" if "::3ranks::" in report.nodeid else "")
+    key = _group(report.nodeid)
+    if key.split("::", 1)[0].endswith(".ipynb"):
         _NOTEBOOK_SECONDS[key] = _NOTEBOOK_SECONDS.get(key, 0.0) + report.duration
+    cpu = dict(report.user_properties).get(f"cpu_s:{report.when}", 0.0)
+    _CPU_SECONDS[key] = _CPU_SECONDS.get(key, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter):
     """Each notebook's headless time (kernel start and every cell), for the README's table.
-    Measured while other workers share the cores, so an upper bound of its time alone."""
+    Measured while other workers share the cores, so an upper bound of its time alone.
+    Then where the CPU goes: on 2 cores the suite is CPU-bound, so CPU seconds, not the
+    wall time of one test, say what a change saves."""
     if _NOTEBOOK_SECONDS:
         terminalreporter.section("notebook times (all cells, kernel start included)")
         for name, seconds in sorted(_NOTEBOOK_SECONDS.items()):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {name}")
+    if _CPU_SECONDS:
+        total = sum(_CPU_SECONDS.values())
+        terminalreporter.section(f"CPU seconds by file ({total:.0f} s in all; processes a test "
+                                 "waited for are counted, orphans are not)")
+        for name, seconds in sorted(_CPU_SECONDS.items(), key=lambda kv: -kv[1])[:30]:
             terminalreporter.write_line(f"{seconds:7.1f} s  {name}")
