@@ -42,7 +42,8 @@ def test_quick(bench, tmp_path):
 
 def test_step_timer_overhead_quick(tmp_path):
     """--timing: three copies of train_ddp.py's step in one launch; both ratios printed."""
-    out = run_bench(REPO / "bench" / "panel_overhead.py", tmp_path, "--timing").stdout
+    # 40 steps: enough to see real step times, not to measure the 2% goal (the bench does that)
+    out = run_bench(REPO / "bench" / "panel_overhead.py", tmp_path, "--timing", "--steps", "40").stdout
     ratios = {}
     for line in out.splitlines():
         for key in ("(A2 vs A): ", "(B vs A and A2): "):
@@ -50,4 +51,4 @@ def test_step_timer_overhead_quick(tmp_path):
                 ratios[key] = float(line.split(key)[1].split()[0])
     assert len(ratios) == 2, out
     assert all(0.3 < r < 3 for r in ratios.values()), out   # real step times, not zeros or junk
-    assert "150 steps" in out and "on gloo" in out, out
+    assert "40 steps" in out and "on gloo" in out, out

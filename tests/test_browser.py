@@ -205,8 +205,10 @@ def chromium_path():
     return path
 
 
-@pytest.fixture
-def lab(tmp_path, chromium_path):
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, chromium_path):
+    # one JupyterLab server and one browser for both tests: each start costs CPU seconds
+    tmp_path = tmp_path_factory.mktemp("lab")
     root = tmp_path / "course"
     root.mkdir()
     make_notebook(root / "panel.ipynb")
@@ -222,18 +224,26 @@ def lab(tmp_path, chromium_path):
         server.close()
 
 
-@pytest.fixture
-def page(lab, chromium_path):
+@pytest.fixture(scope="module")
+def browser(lab, chromium_path):
     from playwright.sync_api import sync_playwright
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport={"width": 1280, "height": 1000})
-            page = context.new_page()
-            page.set_default_timeout(60_000)
-            yield page
+            yield browser
         finally:
             browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})   # a fresh tab's state per test
+    try:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        yield page
+    finally:
+        context.close()
 
 
 def run_dirs(root):
@@ -273,7 +283,7 @@ def test_run_panel_in_jupyterlab(lab, page):
 
 
 def drive(lab, page, shot):
-    page.goto(f"{lab.url}/lab/tree/panel.ipynb")
+    page.goto(f"{lab.url}/lab/workspaces/panel/tree/panel.ipynb")   # its own workspace: no other tab
     wait_for(page, page.locator(".jp-NotebookPanel .jp-Cell").nth(2), KERNEL_READY_S, "the notebook")
     wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
              "the kernel to start")
@@ -408,7 +418,7 @@ def test_ranks_cell_in_jupyterlab(lab, page):
 
 def drive_world(lab, page, shot):
     n = WORLD_RANKS
-    page.goto(f"{lab.url}/lab/tree/ranks.ipynb")
+    page.goto(f"{lab.url}/lab/workspaces/world/tree/ranks.ipynb")   # its own workspace: no other tab
     wait_for(page, page.locator(".jp-NotebookPanel .jp-Cell").nth(4), KERNEL_READY_S, "the notebook")
     wait_for(page, page.locator("#jp-main-statusbar", has_text="Idle"), KERNEL_READY_S,
              "the kernel to start")
