@@ -5,7 +5,9 @@
 Each check_* reads a finished run directory (config.json and the ranks' metrics; check_no_sync
 also the learner's prediction) and raises
 AssertionError with one sentence saying what is wrong, or returns a line saying what it saw.
-Expectations come from the run's own world size.
+Expectations come from the run's own world size. Also the checkers of 09's bucketed hook
+(check_bucketed, on ddp_scratch.check_stage's result) and of 10's fp16 step
+(check_train_step, check_too_small_by, one process, no launch).
 """
 from collections import defaultdict
 
@@ -110,8 +112,7 @@ _BUCKETED_HOOK = '''    def hook(self, p):
         i, offset = self.where[p]
         self.flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
         self.ready[i] += 1
-        if self.ready[i] == len(self.buckets[i]):    # the bucket's last gradient arrived
-            %s
+%s
 
     def finish(self):
         for i, bucket in enumerate(self.buckets):
@@ -125,11 +126,19 @@ _BUCKETED_HOOK = '''    def hook(self, p):
 '''
 
 
-def bucketed_solution(path, starter=None, blocking=False, waiting=False):
+_WHEN_FULL = ("        if self.ready[i] == len(self.buckets[i]):    # the bucket's last gradient arrived\n"
+              "            %s")
+_WHEN_ALL = ("        if sum(self.ready) == len(self.where):    # held back: the model's last gradient\n"
+             "            for i in range(len(self.buckets)):\n"
+             "                %s")
+
+
+def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=False):
     """09: write a solution of the bucketed-hook exercise to `path`: the starter file with
     `hook` and `finish` written. Wrong ones, which check_bucketed must reject: blocking=True
     (the hook's all-reduce is async_op=False), waiting=True (async_op=True, then .wait() in
-    the hook): either way backward stalls on the network."""
+    the hook): either way backward stalls on the network; late=True (async, but every
+    bucket held back until the whole model's last gradient: stage (b)'s timing, no overlap)."""
     from pathlib import Path
 
     from .lesson import SCRIPTS
@@ -140,7 +149,7 @@ def bucketed_solution(path, starter=None, blocking=False, waiting=False):
         launch, wait = "dist.all_reduce(self.flat[i])", "pass"
     if waiting:
         launch, wait = "dist.all_reduce(self.flat[i], async_op=True).wait()", "pass"
-    body = _BUCKETED_HOOK % (launch, wait)
+    body = _BUCKETED_HOOK % ((_WHEN_ALL if late else _WHEN_FULL) % launch, wait)
     Path(path).write_text(head + body)
     return path
 
@@ -163,9 +172,13 @@ def check_bucketed(stage):
     DDP). Returns (ok, why): the weights equal DDP's after every step; one all-reduce per
     bucket per step, of exactly the bucket's elements (the layout is computed here from the
     parameters' sizes and the cap, not read from the learner's object); each started during
-    backward, which never waited for one (neither async_op=False nor a wait() in the hook)."""
-    expected = sorted(sum(stage["param_bytes"][i] for i in b) // 4    # fp32 elements per bucket
-                      for b in bucket_layout(stage["param_bytes"], stage["bucket_bytes"]))
+    backward, in the hook of its bucket's last gradient (the harness counts the gradients
+    finished at every call; its hook runs after the learner's, so a bucket whose last
+    gradient is the k-th to finish is due when k - 1 are counted); and backward never waited
+    for one (neither async_op=False nor a wait() in the hook)."""
+    layout = bucket_layout(stage["param_bytes"], stage["bucket_bytes"])
+    elements = [sum(stage["param_bytes"][i] for i in b) // 4 for b in layout]   # fp32 per bucket
+    expected = sorted(elements)
     n = len(expected)
     for i, st in enumerate(stage["steps"], 1):
         if not st["allclose"]:
@@ -177,11 +190,19 @@ def check_bucketed(stage):
                            f"buckets' {expected}: one flat tensor per bucket, as laid out")
         if st["calls_in_backward"] != n:
             return False, f"step {i}: only {st['calls_in_backward']} of {n} all-reduces started during backward"
+        finished = {p: k for k, p in enumerate(st["ready_order"])}   # parameter -> its place in backward
+        due = sorted((max(finished.get(p, len(finished)) for p in b), e) for b, e in zip(layout, elements))
+        launched = sorted(tuple(x) for x in st["launches"])
+        if launched != due:
+            return False, (f"step {i}: the all-reduces started when {[k + 1 for k, _ in launched]} gradients "
+                           f"were ready, the buckets were complete at {[k + 1 for k, _ in due]}: start each "
+                           f"bucket's all-reduce in the hook of its own last gradient, not later")
         if st["blocking_in_backward"]:
             return False, (f"step {i}: backward waited for {st['blocking_in_backward']} all-reduce(s) "
                            f"(blocking: async_op=False, or wait() in the hook); use async_op=True "
                            f"and wait in finish()")
-    return True, f"equal to torch DDP for {len(stage['steps'])} steps, {n} buckets, every all-reduce async in backward"
+    return True, (f"equal to torch DDP for {len(stage['steps'])} steps, {n} buckets, every all-reduce "
+                  f"async in backward, as soon as its bucket was complete")
 
 
 def check_global_batch(run_dir):
@@ -217,3 +238,109 @@ def check_global_batch(run_dir):
         assert total == asked, (f"step {step}: {total} samples over {world} rank(s), not the "
                                 f"{asked} asked for (ranks x micro-batch x accumulation steps)")
     return f"{len(per_step)} steps of {asked} samples each on {world} rank(s)"
+
+
+# -- lesson 10: the fp16 step that trains too slowly ---------------------------------------
+def _recording_scaler(init_scale=2.0 ** 16):
+    """A GradScaler("cpu") that notes which of its four calls were made, in order."""
+    import torch
+
+    class Recording(torch.amp.GradScaler):
+        def __init__(self):
+            super().__init__("cpu", init_scale=init_scale)
+            self.calls = []
+
+        def scale(self, outputs):
+            self.calls.append("scale")
+            return super().scale(outputs)
+
+        def unscale_(self, optimizer):
+            self.calls.append("unscale_")
+            return super().unscale_(optimizer)
+
+        def step(self, optimizer, *args, **kwargs):
+            self.calls.append("step")
+            return super().step(optimizer, *args, **kwargs)
+
+        def update(self, new_scale=None):
+            self.calls.append("update")
+            return super().update(new_scale)
+    return Recording()
+
+
+def _start():
+    """The exercise's model (seed 0) and batch (32 samples, seed 23)."""
+    import torch
+
+    from . import data, models
+    x, y = data.shapes(32, seed=23).tensors
+    torch.manual_seed(0)
+    return models.SmallCNN(norm=False), x, y
+
+
+def _reference(model, x, y, max_norm):
+    """The reference step on `model`: the true gradient (fp16 autocast, no scaler), clipped to
+    max_norm, one SGD step (lr 0.1). Returns the gradient's norm before and after clipping."""
+    import torch
+    import torch.nn.functional as F
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.cross_entropy(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    clipped = sum(p.grad.norm() ** 2 for p in model.parameters()) ** .5
+    return norm.item(), clipped.item()
+
+
+def stepped_norm(fn, max_norm=0.1, init_scale=2.0 ** 16):
+    """10: the norm of the gradient the optimizer steps with, in one step of fn (the
+    checker's start and batch), with a GradScaler whose scale starts at init_scale."""
+    import torch
+    model, x, y = _start()
+    opt, seen = torch.optim.SGD(model.parameters(), lr=0.1), []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(
+        torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item()))
+    fn(model, opt, _recording_scaler(init_scale), x, y, max_norm)
+    assert seen, "the step never called the optimizer's step()"
+    return seen[0]
+
+
+def check_train_step(fn, max_norm=0.1):
+    """10: one step of fn(model, opt, scaler, x, y, max_norm) (fp16 autocast on CPU, a
+    GradScaler, clipping) against the reference step: the true gradient, clipped to
+    max_norm, one SGD step. The step must use the scaler it is given (scale, unscale_,
+    step, update, once each, in that order): without it fp16 gradients can underflow, even
+    where this batch's do not. Raises AssertionError with one sentence saying what is wrong."""
+    import copy
+
+    import torch
+    model, x, y = _start()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _recording_scaler()
+    fn(model, opt, scaler, x, y, max_norm)
+    wanted = ["scale", "unscale_", "step", "update"]
+    assert scaler.calls == wanted, (
+        f"the step made the GradScaler calls {scaler.calls}, not {wanted}: fp16 needs the scaler "
+        "(scale the loss before backward, unscale_ before clipping, scaler.step, scaler.update)")
+    norm, clipped = _reference(reference, x, y, max_norm)
+    assert norm > max_norm, "the test needs a gradient that clipping changes"
+    moved = sum((p - q).norm() ** 2 for p, q in zip(model.parameters(), reference.parameters())) ** .5
+    step = 0.1 * clipped
+    assert moved < 1e-2 * step, f"the step differs from the reference by {moved / step:.0%} of its size"
+    return True
+
+
+def check_too_small_by(too_small_by, slow_step, max_norm=0.1, scales=(2.0 ** 16, 2.0 ** 10)):
+    """10: too_small_by(S) says how many times smaller than the reference step's gradient the
+    gradient slow_step steps with is, when the GradScaler's scale is S. Compared, within 1%,
+    with the ratio measured at each scale in `scales` (two, so a number read off one run
+    does not pass). Raises AssertionError with one sentence saying what is wrong."""
+    model, x, y = _start()
+    _, clipped = _reference(model, x, y, max_norm)
+    for S in scales:
+        measured = clipped / stepped_norm(slow_step, max_norm, init_scale=S)
+        said = too_small_by(S)
+        assert said is not None and abs(said - measured) <= 0.01 * measured, (
+            f"with the scale S = {S:,.0f} the step was {measured:,.1f}x too small; too_small_by({S:,.0f}) "
+            f"returns {said}")
+    return True

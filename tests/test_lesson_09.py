@@ -6,9 +6,10 @@ At the notebook's own world size these checks run in the notebook itself and are
 here: the ring all-reduce against dist.all_reduce with measured bytes (cell 09-18), stages
 (a)-(c) of work/ddp_scratch.py's main against torch DDP after every step, with DDP's buckets
 one-then-rebuilt (09-24), the exercise checker accepting the solution and rejecting the
-starter, a blocking hook and an async-then-wait hook (09-31, 09-33). Added here: stage (d)
-with the solution at 3 ranks, a hook that all-reduces everything in one bucket of its own
-(rejected: the layout is the checker's), and stage d refused without a file."""
+starter, a blocking hook, an async-then-wait hook and a hook that holds every bucket back to
+the last gradient (09-31, 09-33). Added here: stage (d) with the solution at 3 ranks, a hook
+that all-reduces everything in one bucket of its own (rejected: the layout is the checker's),
+and stage d refused without a file."""
 import json
 import subprocess
 import sys
@@ -32,7 +33,8 @@ def cases(tmp_path_factory):
     one.write_text(good.read_text().replace("if size >= bucket_bytes:", "if False:"))
     files = {"solution": good, "starter": SCRIPTS / "bucketed_exercise.py", "one": one,
              "blocking": exercises.bucketed_solution(base / "bucketed_blocking.py", blocking=True),
-             "waiting": exercises.bucketed_solution(base / "bucketed_waiting.py", waiting=True)}
+             "waiting": exercises.bucketed_solution(base / "bucketed_waiting.py", waiting=True),
+             "late": exercises.bucketed_solution(base / "bucketed_late.py", late=True)}
     run = launch.start(CASES, nproc=WORLD, cpu=True, run_dir=base / "cases", timeout=600,
                        args=["--steps", STEPS, "--bucket-kb", 8,
                              *[a for name, path in files.items() for a in ("--bucketed", f"{name}={path}")]])
@@ -89,6 +91,13 @@ def test_exercise_checker_accepts_solution_rejects_starter_one_bucket_and_blocki
         assert not ok and "backward waited" in why, (name, why)
     ok, why = exercises.check_bucketed(cases["bucketed"]["one"])
     assert not ok and "expected one per bucket" in why, why   # the layout is the checker's, not the learner's
+
+
+def test_exercise_checker_rejects_buckets_held_back_to_the_last_gradient(cases):
+    # Async, the right buckets, all during backward, but every launch waits for the model's
+    # last gradient: stage (b)'s timing. Each bucket must go out when its own last gradient is ready.
+    ok, why = exercises.check_bucketed(cases["bucketed"]["late"])
+    assert not ok and "gradients were ready" in why, why
 
 
 def test_bucket_layout_is_reverse_registration_closed_at_the_cap():

@@ -4,8 +4,8 @@ The buckets are laid out for you: parameters in reverse registration order, a bu
 once it holds >= bucket_bytes. Reverse registration is only a guess at the order backward
 produces the gradients; for this model it is not that order (a conv's weight gradient is
 ready before its bias's), and torch DDP, which measures the order in its first step and
-rebuilds its buckets from it, can end up with other ones (at the checker's 8 KiB it does:
-section 4 prints both). The sums are the same either way.
+rebuilds its buckets from it, can end up with other ones (at the checker's 8 KiB it does,
+and at section 4's 16 KiB, whose layouts section 4 prints). The sums are the same either way.
 Keep this layout: the checker expects it.
 Write `hook` (copy the gradient into its bucket; when the bucket's last gradient has
 arrived, start ONE async all_reduce of the bucket) and `finish` (wait for every bucket,

@@ -10,8 +10,9 @@
 (d) bucketed: a class Bucketed from the file --bucketed (the exercise of section 6).
 Each stage trains beside torch's DDP from the same (rank-dependent!) initial weights on the
 same data: the weights must be allclose after every step. all_reduce calls per step are
-counted with their sizes (and whether each was made during backward, and whether backward
-waited for it: async_op=False, or a wait() during backward); DDP's buckets
+counted with their sizes (and whether each was made during backward, how many gradients
+backward had finished by then, and whether backward waited for it: async_op=False, or a
+wait() during backward); DDP's buckets
 are recorded by a comm hook (which parameters each held). Step times are measured in the
 same run. Rank 0 writes scratch.json to the run dir.
 """
@@ -86,6 +87,7 @@ class Counter:
     def __init__(self, process_group=None, index=None):
         self.process_group, self.calls, self.in_backward, self.blocking_in_backward = process_group, 0, 0, 0
         self.index, self.buckets, self.numels = index, [], []
+        self.grads_ready, self.launches = 0, []    # gradients finished so far; per call: (that, numel)
 
 
 def in_backward():
@@ -117,6 +119,7 @@ def counting(all_reduce, count):
     def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         count.calls += 1
         count.numels.append(tensor.numel())                       # what went on the wire
+        count.launches.append((count.grads_ready, tensor.numel()))  # and when, in backward
         during = in_backward()                                     # launched during backward?
         count.in_backward += during
         count.blocking_in_backward += during and not async_op     # backward waits for it
@@ -180,16 +183,22 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
     ddp.register_comm_hook(hook_state, counting_hook)
     ours_index = {id(p): i for i, p in enumerate(ours_model.parameters())}
     ready = []                             # the order backward finishes the gradients in
+
+    def noting(i):
+        def note(q):                       # registered after ours, so it runs after ours' hook
+            ready.append(i)
+            COUNT.grads_ready += 1         # counted_all_reduce stamps every call with this
+        return note
     for i, q in enumerate(ours_model.parameters()):
-        q.register_post_accumulate_grad_hook(lambda q, i=i: ready.append(i))
+        q.register_post_accumulate_grad_hook(noting(i))
     opt_ours = torch.optim.SGD(ours_model.parameters(), lr=0.05, momentum=0.9)
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     steps = []
     for x, y in batches:
         before, before_bw, before_bl = COUNT.calls, COUNT.in_backward, COUNT.blocking_in_backward
-        COUNT.numels = []
+        COUNT.numels, COUNT.launches, COUNT.grads_ready, first = [], [], 0, len(ready)
         train_step(ours_model, opt_ours, x, y, ours)
-        numels = sorted(COUNT.numels)
+        numels, launches = sorted(COUNT.numels), list(COUNT.launches)
         calls, in_backward = COUNT.calls - before, COUNT.in_backward - before_bw
         ddp_before, hook_state.buckets = hook_state.calls, []
         train_step(ddp, opt_ddp, x, y)
@@ -199,6 +208,7 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
         steps.append({"allclose": bool(ok.item()), "max_abs_diff": diff,
                       "calls": calls, "calls_in_backward": in_backward,
                       "blocking_in_backward": COUNT.blocking_in_backward - before_bl, "numels": numels,
+                      "launches": launches, "ready_order": ready[first:],
                       "ddp_calls": hook_state.calls - ddp_before, "ddp_buckets": hook_state.buckets})
     buckets = ([sorted(ours_index[id(p)] for p in b) for b in ours.buckets]
                if hasattr(ours, "buckets") else None)     # parameter indices, bucket by bucket
