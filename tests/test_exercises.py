@@ -2,7 +2,9 @@
 the ways a learner can get it wrong. The notebooks run each checker on real runs, at 2 and
 (in CI) 3 ranks: on the starter and the solution (03 cell 03-ex5, 04 cell 04-ex5), and 05's on
 the placements run, whose strip cell (05-strip2) also asserts that no_sync around backward
-alone still all-reduces every micro-batch (a real-run test of that here would repeat it)."""
+alone still all-reduces every micro-batch (a real-run test of that here would repeat it).
+Lesson 10's fp16-step checkers (check_train_step, check_too_small_by) run one process, no
+launch: the notebook (10-25) runs them at its own settings; here each wrong answer apart."""
 import json
 
 import pytest
@@ -96,3 +98,54 @@ def test_no_sync(tmp_path):
     failed = fake_run(tmp_path / "failed", 1, placement_rows(1, RIGHT), status="failed")
     with pytest.raises(AssertionError, match="ended failed"):
         exercises.check_no_sync(failed, RIGHT)
+
+
+# -- lesson 10: the fp16 step (check_train_step), one process, no launch -------------------
+def _fp16_step(order):
+    import torch
+    import torch.nn.functional as F
+
+    def step(model, opt, scaler, x, y, max_norm):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        if order == "no scaler":             # drops the GradScaler: fp16 gradients may underflow
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            if order == "clip, unscale":     # the notebook's starter
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                scaler.unscale_(opt)
+            else:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def test_train_step_checker_accepts_unscale_then_clip():
+    assert exercises.check_train_step(_fp16_step("unscale, clip"))
+
+
+@pytest.mark.parametrize("order,message", [("clip, unscale", "differs from the reference"),
+                                           ("no scaler", "GradScaler")])
+def test_train_step_checker_rejects_clip_before_unscale_and_no_scaler(order, message):
+    with pytest.raises(AssertionError, match=message):
+        exercises.check_train_step(_fp16_step(order))
+
+
+@pytest.mark.parametrize("answer,right", [(lambda S: S, True), (lambda S: 65536.0, False),
+                                          (lambda S: 1.0, False)])
+def test_too_small_by_is_checked_at_two_scales(answer, right):
+    # Clipping before unscale_ clips the S-times-scaled gradient: a step S times too small.
+    # A number read off one run (65536) fails at the second scale; "not clipped" (1) fails too.
+    slow = _fp16_step("clip, unscale")
+    if right:
+        assert exercises.check_too_small_by(answer, slow)
+    else:
+        with pytest.raises(AssertionError, match="too small"):
+            exercises.check_too_small_by(answer, slow)
