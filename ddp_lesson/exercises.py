@@ -195,7 +195,10 @@ def _refusal(failure, script):
     or an exception with a message raised by a `raise` or `assert` line of the script itself.
     A NameError on an edited line, a failed import, an error inside torch, a bare
     sys.exit(1) or an assert without a message are not."""
-    kind, _, text = (failure or {}).get("message", "").partition(": ")
+    message = (failure or {}).get("message") or "no error was recorded"
+    kind, colon, text = message.partition(": ")
+    if not colon:                                # a rank that died without a Python exception
+        return message
     if kind == "SystemExit":
         reason = text.removeprefix(GUARD_EXIT)
         if reason.lstrip("-").isdigit():
