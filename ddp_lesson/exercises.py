@@ -9,7 +9,9 @@ Expectations come from the run's own world size. Also the checkers of 09's bucke
 (check_bucketed, on ddp_scratch.check_stage's result) and of 10's fp16 step
 (check_train_step, check_too_small_by, one process, no launch).
 """
+import re
 from collections import defaultdict
+from pathlib import Path
 
 from . import launch, runs
 
@@ -205,17 +207,49 @@ def check_bucketed(stage):
                   f"async in backward, as soon as its bucket was complete")
 
 
+GUARD_EXIT = "the script exited with status "   # how the rank's guard records a SystemExit
+
+
+def _refusal(failure, script):
+    """None if a failed run's first failure is a refusal that says why, else what it is.
+    A refusal: a SystemExit that carries a message (sys.exit(text), raise SystemExit(text)),
+    or an exception with a message raised by a `raise` or `assert` line of the script itself.
+    A NameError on an edited line, a failed import, an error inside torch, a bare
+    sys.exit(1) or an assert without a message are not."""
+    message = (failure or {}).get("message") or "no error was recorded"
+    kind, colon, text = message.partition(": ")
+    if not colon:                                # a rank that died without a Python exception
+        return message
+    if kind == "SystemExit":
+        reason = text.removeprefix(GUARD_EXIT)
+        if reason.lstrip("-").isdigit():
+            return f"it exited with status {reason} and no message: say why, raise SystemExit(message)"
+        return None
+    frames = re.findall(r'^  File "(.*)", line \d+, in .*\n    (.*)$', failure.get("traceback", ""), re.M)
+    if not text.strip():
+        return f"{kind} without a message: say why in it (assert ..., message)"
+    if not frames or Path(frames[-1][0]).name != Path(script).name or \
+            not re.match(r"(raise|assert)\b", frames[-1][1]):
+        return f"it crashed with {kind}: {text}"
+    return None
+
+
 def check_global_batch(run_dir):
     """11: every optimizer step saw the global batch the script asked for (summed over
     ranks), at the run's world size. Reads `global_batch_asked` and `micro_batch` (logged
     once, before training) and each rank's per-step count (`samples`, or `windows` in
     gpt_ddp.py). Where no whole number of micro-batches per rank gives the global batch
     (48 samples in micro-batches of 4 on 5 ranks), the right answer is to refuse: a run
-    that ended before its first step with `raise SystemExit(message)` (exit status 1, the
-    message and no traceback on stderr) is accepted then; any other crash is not."""
+    that logged those two numbers and then ended before its first optimizer step with a
+    refusal that says why (see _refusal) is accepted then; any other failure is not."""
     rec = runs.load(run_dir)
     world = rec.config["world_size"]
+    message = (rec.result or {}).get("message")
     head = next((row for row in rec.rows if "global_batch_asked" in row), None)
+    assert head or rec.status == "ok", (
+        f"the run ended {rec.status} before it logged the global batch it asked for (the metrics.log(0, "
+        f"global_batch_asked=..., micro_batch=...) line), so the checker cannot tell whether {world} "
+        f"rank(s) can give it; refuse after that line, at # EXERCISE: {message}")
     assert head, "the run did not log the global batch it asked for (global_batch_asked)"
     asked, micro = head["global_batch_asked"], head.get("micro_batch")
     per_step = defaultdict(dict)                 # step -> {rank: samples this rank used}
@@ -224,11 +258,12 @@ def check_global_batch(run_dir):
         if n is not None:
             per_step[row["step"]][row["rank"]] = n
     if rec.status != "ok":
-        message = (rec.result or {}).get("message")
-        assert micro and asked % (micro * world) and not per_step, f"the run ended {rec.status}: {message}"
-        failure = (rec.result or {}).get("failure") or {}
-        assert failure.get("exitcode") == 1 and "Traceback" not in failure.get("traceback", ""), (
-            f"the run crashed, which is not a refusal (refuse with raise SystemExit(message)): {message}")
+        assert micro and asked % (micro * world), (f"the run ended {rec.status}, but {asked} samples split into "
+                                                   f"micro-batches of {micro} on {world} rank(s): {message}")
+        assert not per_step, f"the run ended {rec.status} after {len(per_step)} step(s), not before training: {message}"
+        why_not = _refusal((rec.result or {}).get("failure"), rec.config.get("script", ""))
+        assert why_not is None, (f"the run failed, but not with a refusal that says why ({why_not}); refuse with "
+                                 f"raise SystemExit(message) or raise ValueError(message): {message}")
         return (f"refused before training, as it should: {asked} samples do not split into "
                 f"micro-batches of {micro} on {world} ranks")
     assert per_step, "the run logged no training steps"

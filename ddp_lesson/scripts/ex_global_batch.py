@@ -4,8 +4,11 @@
 Each optimizer step should see GLOBAL samples in all, whatever the number of ranks, so that
 a run on 1, 2, 3 or 4 ranks trains the same model. Every rank logs how many samples it
 used in each step (`samples`), so a checker can add them up from the run directory.
-Your job: make ACCUM, the micro-batches per rank per step, give GLOBAL at any world size
-(and where no whole number of micro-batches can, refuse before training).
+Your job: make ACCUM, the micro-batches per rank per step, give GLOBAL at any world size.
+Where no whole number of micro-batches per rank can (48 in micro-batches of 4 on 5 ranks),
+refuse at the # EXERCISE line, before training: raise SystemExit(message), or an exception
+or an assert with a message, saying why. The checker reads GLOBAL and MICRO from the
+metrics.log(0, ...) line above it, and takes any other failure for a crash, not a refusal.
 """
 import contextlib
 import os

@@ -26,13 +26,20 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_lesson import costmodel, metrics
 
-# dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s, no sparsity; SXM
-# unless named): the FLOP/s of autocast's matmuls, not of fp32 ones. The T4 has no bf16 tensor
-# cores, so it is listed for fp16 only (NO_BF16)
-DATASHEET_PEAK = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12,
-                  "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12, "L4": 121e12,
+# dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s; "dense": without the
+# 2x "with sparsity" figure, which needs 2:4 structured zeros). SXM (the socketed server module)
+# unless PCIe (a plug-in card) or NVL (H100/H200 NVL cards) is named. GeForce: the FP32-accumulate
+# figure (the sheets also give 2x for FP16 accumulate), since PyTorch's fp16 matmuls accumulate in
+# fp32 unless torch.backends.cuda.matmul.allow_fp16_accumulation is set. The FLOP/s of autocast's
+# matmuls, not of fp32 ones. The T4 and V100 have no bf16 tensor cores: fp16 only (NO_BF16).
+# A GPU not in the table (A10G: no NVIDIA datasheet; GH200, H800, RTX A6000, a MIG slice...) gets no
+# datasheet peak: peak_flops() then times a 512x512 matmul on it, which on a GPU is bound by the
+# kernel launch, so that MFU comes out far too high; add the GPU's dense figure here instead.
+DATASHEET_PEAK = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 NVL": 835e12,
+                  "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12,
+                  "L4": 121e12, "V100": 125e12, "V100 PCIe": 112e12, "V100S": 130e12,
                   "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
-NO_BF16 = {"T4"}
+NO_BF16 = {"T4", "V100", "V100 PCIe", "V100S"}
 
 
 def parse_args(argv=None):
@@ -141,14 +148,20 @@ def flops_per_token(model, layers, width, block):
 
 
 def datasheet_peak(name, dtype=torch.float16):
-    """The table's entry for a device name: the whole name ("NVIDIA L40" is "L40"; an L40S is
-    not an L4), else the name without its memory and form-factor words ("H100 80GB HBM3" is
-    "H100", "A100-SXM4-80GB" is "A100"). Any other word (the "D" of an RTX 4090 D) makes it
-    another device: None, as for a device not in the table or a dtype it has no peak for."""
-    words = [w for w in name.replace("-", " ").split() if w not in ("NVIDIA", "Tesla", "GeForce")]
-    sku = [w for w in words if not re.fullmatch(r"\d+GB|HBM\d*e?|SXM\d*|PCIE", w)]
-    for key in (" ".join(words), " ".join(sku)):
-        if key in DATASHEET_PEAK:
+    """The table's entry for a name as torch.cuda.get_device_name() gives it, in three tries,
+    upper or lower case alike: the whole name ("NVIDIA L40" is "L40"; an L40S is not an L4);
+    then without memory words (-80GB, HBM3: "NVIDIA H100 80GB HBM3" is "H100", "Tesla
+    V100-PCIE-16GB" is "V100 PCIe"); then without form-factor words too (SXM4, PCIe:
+    "NVIDIA A100 80GB PCIe" and "NVIDIA A100-SXM4-40GB" are "A100"). Any other word (the "D"
+    of an RTX 4090 D, the "Ti" of a 3090 Ti, a MIG profile) makes it another device: None,
+    as for a device not in the table or a dtype it has no peak for."""
+    words = [w for w in name.replace("-", " ").split() if w.upper() not in ("NVIDIA", "TESLA", "GEFORCE")]
+    no_memory = [w for w in words if not re.fullmatch(r"\d+GB|HBM\d*E?", w, re.I)]
+    no_board = [w for w in no_memory if not re.fullmatch(r"SXM\d*|PCIE", w, re.I)]
+    table = {key.upper(): key for key in DATASHEET_PEAK}
+    for left in (words, no_memory, no_board):
+        key = table.get(" ".join(left).upper())
+        if key:
             return None if dtype == torch.bfloat16 and key in NO_BF16 else DATASHEET_PEAK[key]
     return None
 
@@ -222,10 +235,10 @@ def main():
     rank = int(os.environ["RANK"])                # DDP: global rank, set by torchrun
     local_rank = int(os.environ["LOCAL_RANK"])    # DDP: rank on this machine -> which GPU
     world_size = int(os.environ["WORLD_SIZE"])    # DDP: number of processes in the job
-    if args.global_batch % (args.micro_batch * world_size):
+    if args.global_batch % (args.micro_batch * world_size):  # DDP: refuse a world size that cannot give it
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of --micro-batch "
                          f"{args.micro_batch} x {world_size} ranks.")
-    accum = args.global_batch // (args.micro_batch * world_size)  # micro-batches per rank per step
+    accum = args.global_batch // (args.micro_batch * world_size)  # DDP: micro-batches per rank per step
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP: nccl on GPUs, gloo on CPUs
     if use_cuda:
@@ -340,10 +353,12 @@ def main():
                 break
 
     if args.allreduce_sweep:  # the same ranks, after training: what one all-reduce of b bytes costs
-        for b, seconds in costmodel.sweep(costmodel.QUICK_SIZES, iters=6, device=device):
+        for b, seconds in costmodel.sweep(costmodel.QUICK_SIZES, iters=6, device=device):  # DDP: all ranks
             metrics.log(step, bytes=b, seconds=seconds)
     if rank == 0 and args.sample_bytes:  # one rank writes the sample
         with autocast():
+            # DDP: the model inside the wrapper: one rank alone must not run DDP's forward,
+            # which can start a collective (a broadcast of buffers) the other ranks never join
             sample = generate(model.module, b"def ", args.sample_bytes, device, seed=args.seed)
         print("--- sample ---\n" + sample, flush=True)
         metrics.log(step, sample=sample)
