@@ -16,6 +16,9 @@ How the panel keeps itself up to date:
 - The plot is a display handle (display(..., display_id=...) then update_display), not a
   widget: updated in place, it stays ONE output under nbval/nbclient, and the last frame
   stays in the saved notebook as a plain PNG. No clear_output, no ipympl.
+- A learner may press Run and then also run the cell that calls run() and wait(): that
+  cell checks the clicked run when it has the cell's settings, else waits for it to end and
+  starts its own (RunPanel.run), so it never checks a run with other settings.
 - What to show comes from a monitor.Monitor (the command line's follow loop uses the same);
   when to draw from a monitor.FrameClock: 4 frames per second at most, fewer when a frame
   is slow to draw, because on a small machine the kernel shares cores with the ranks.
@@ -212,13 +215,15 @@ class RunPanel:
         self.base_run_dir, self.runs_base = run_dir, runs_base
         # runs: run directories launched here, oldest first; error: the last bad input's sentence
         self.last_run, self.runs, self.error = None, [], None
+        # (run, settings) of a run the Run button started and no cell has checked yet
+        self._unchecked_click = None
         self.plot = LiveFrame(metrics, x=x)
         self.status, self.status_text, self.log_text, self._monitor, self._waiting = "idle", "", "", None, False
         self._lock = threading.RLock()   # one poll (and draw) at a time: thread or wait()
         self.inputs = {name: _option_widget(name, value) for name, value in self.options.items()}
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
-        self.run_button.on_click(lambda _: self.run())
+        self.run_button.on_click(lambda _: self._click())
         self.stop_button.on_click(lambda _: threading.Thread(target=self.stop, daemon=True).start())
         self.status_html, self.log_html, self.resources_html = W.HTML(), W.HTML(), W.HTML()
         self.widget = W.VBox([
@@ -244,7 +249,48 @@ class RunPanel:
     def run(self, **overrides):
         """Start a run with the options in the widgets, changed by `overrides`
         (batch_size=... also sets "batch-size"). Returns the launch.Run at once, or None
-        when the input was bad: then the status line says why and nothing started."""
+        when the input was bad: then the status line says why and nothing started.
+
+        After a click on Run that no cell has checked yet (a learner pressed Run, then ran
+        the cell that calls run() and wait() too): with the same settings (script, options,
+        devices) that run is returned, and no second one starts; with other settings this
+        waits for it to end, then starts its own. Either way the cell checks a run with its
+        own settings, whatever the timing of the click."""
+        clicked, self._unchecked_click = self._unchecked_click, None
+        if clicked is not None and clicked[0] is self.last_run:
+            run, settings = clicked
+            try:
+                apply_overrides(self.inputs, self.options, overrides)
+            except BadInput as e:
+                return self._bad_input(e)
+            stopped = run.done() and run.result["status"] == "interrupted"
+            if self._settings() == settings and not stopped:
+                return run
+            if not run.done():
+                print("The run started with the Run button has other settings than this cell's: "
+                      "waiting for it to end, then starting the cell's own.", flush=True)
+                self.wait()
+        return self._start(**overrides)
+
+    def _click(self):
+        settings = self._settings()
+        run = self._start()
+        self._unchecked_click = (run, settings) if run is not None else None
+
+    def _settings(self):
+        """What makes two runs of this panel the same: the script's text, its arguments, the devices."""
+        try:
+            text = self.script.read_bytes()
+        except OSError:
+            text = None
+        return text, option_args(self.values()) + self.extra_args, self.picker.selection()
+
+    def _bad_input(self, e):
+        self.error = str(e)
+        self._set_status("bad input", f"Not started: {e}")
+        return None
+
+    def _start(self, **overrides):
         with self._lock:
             if self.last_run is not None and not self.last_run.done():
                 self._set_status("running", "A run is already going; press Stop first. "
@@ -257,9 +303,7 @@ class RunPanel:
                                    run_dir=run_dir, timeout=self.timeout, label=self.label,
                                    **self.picker.selection())
             except BadInput as e:
-                self.error = str(e)
-                self._set_status("bad input", f"Not started: {e}")
-                return None
+                return self._bad_input(e)
             self.error, self.last_run = None, run
             self.runs.append(run.run_dir)
             self._monitor = monitor.Monitor(run)
@@ -290,6 +334,8 @@ class RunPanel:
             raise
         finally:
             self._waiting = False
+        if self._unchecked_click is not None and self._unchecked_click[0] is run:
+            self._unchecked_click = None   # waited on: a later run() starts afresh
         return run.result
 
     def stop(self):

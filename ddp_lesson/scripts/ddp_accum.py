@@ -61,7 +61,7 @@ def main():
     if use_cuda:
         torch.cuda.set_device(local_rank)                    # DDP: one GPU per process
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if rank == 0:
+    if rank == 0:  # DDP: one rank prints
         print(f"world_size={world_size} backend={dist.get_backend()} "
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
@@ -113,7 +113,7 @@ def main():
         epoch_s = time.perf_counter() - t0
         test_acc, test_samples = evaluate(model, test_set, rank, world_size, device)
         metrics.log(step, test_accuracy=test_acc, test_samples=test_samples, epoch_s=epoch_s, epoch=epoch)
-        if rank == 0:
+        if rank == 0:  # DDP: one rank prints
             print(f"  test accuracy {test_acc:.1%} ({epoch_s:.1f} s)", flush=True)
 
     ckpt = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "model.pt")

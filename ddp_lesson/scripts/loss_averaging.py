@@ -44,47 +44,47 @@ def count_correct(model, loader, device):
     return counts
 
 
-@record
+@record  # DDP: a failing rank's traceback reaches torchrun's error summary
 def main():
     args = parse_args()
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP: nccl on GPUs, gloo on CPUs
+    rank, world = dist.get_rank(), dist.get_world_size()  # DDP: this process's rank, how many
+    local_rank = int(os.environ["LOCAL_RANK"])  # DDP: rank on this machine -> which GPU
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(local_rank)  # DDP: one GPU per process
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     torch.manual_seed(args.seed)
 
     train_set = data.shapes(args.n_train, seed=0)
     test_set = data.shapes(args.n_test, seed=1)
-    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     # The sampler gives every rank ceil(N / world) samples, so the ranks' batches are equal at every
     # step and DDP's average is exact; drop_last=True only drops each rank's short last batch.
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     model = models.SmallCNN(norm=False, width=8).to(device)
     # device_ids: the one GPU this process's model lives on (None for a CPU model)
-    model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+    model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     step = 0
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (notebook 03)
+        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank (notebook 03)
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(model(x), y)    # this rank's mean over its own batch
             opt.zero_grad(set_to_none=True)
-            loss.backward()                        # DDP averages the gradients here
+            loss.backward()                        # DDP: the gradients are averaged here
             opt.step()
             step += 1
             metrics.log(step, loss=loss.item())    # one row per rank: the per-rank curves
 
             # For the log only: a copy of the loss, averaged over ranks after backward.
             reduced = loss.detach().clone()
-            dist.all_reduce(reduced)
+            dist.all_reduce(reduced)  # DDP: sum over ranks
             reduced /= world
-            if rank == 0:
+            if rank == 0:  # DDP: one rank logs the reduced loss and prints
                 metrics.log(step, loss_reduced=reduced.item())
                 print(f"step {step}: rank-0 loss {loss.item():.3f}, reduced {reduced.item():.3f}",
                       flush=True)
@@ -95,17 +95,17 @@ def main():
     # different sizes are fine.
     shard = Subset(test_set, range(rank, len(test_set), world))
     counts = count_correct(model.module, DataLoader(shard, batch_size=256), device)
-    dist.all_reduce(counts)
+    dist.all_reduce(counts)  # DDP: sum the counts over ranks
     correct, total = counts.tolist()
 
     # The common mistake: a padded DistributedSampler, divided by its total_size.
     padded = DistributedSampler(test_set, shuffle=False)
     padded_counts = count_correct(model.module, DataLoader(test_set, batch_size=256, sampler=padded),
                                   device)
-    dist.all_reduce(padded_counts)
+    dist.all_reduce(padded_counts)  # DDP
     accuracy_padded = padded_counts[0].item() / padded.total_size
 
-    if rank == 0:
+    if rank == 0:  # DDP: one rank logs the totals and saves
         metrics.log(step, test_accuracy=correct / total, test_samples=int(total), correct=int(correct),
                     total=int(total), test_accuracy_padded=accuracy_padded, padded_total=padded.total_size)
         print(f"test accuracy {correct / total:.4f} ({int(correct)}/{int(total)}); "
@@ -113,7 +113,7 @@ def main():
         run_dir = os.environ.get("DDP_LESSON_RUN_DIR")  # the run's folder, set by the course's launcher
         if run_dir:  # so the notebook can check the accuracy on one process
             torch.save(model.module.state_dict(), os.path.join(run_dir, "model.pt"))
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # DDP
 
 
 if __name__ == "__main__":
