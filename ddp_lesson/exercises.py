@@ -65,22 +65,32 @@ def check_set_epoch(run_dir):
     return f"{world} rank(s), {len(epochs)} epochs, each epoch a new order"
 
 
-def check_syncbn(run_dir):
-    """04: every BN layer synchronised, and the ranks' running statistics agree."""
+def check_bn_average(run_dir):
+    """04: plain BatchNorm in training, then every rank holds the average over ranks of each
+    BN layer's running statistics (the ones the ranks logged before, `own`)."""
     rec, world = _finished(run_dir)
-    last = {row["rank"]: row for row in rec.rows if "running_mean" in row}
-    assert sorted(last) == list(range(world)), "not every rank logged its BatchNorm statistics"
-    types = last[0]["bn_types"]
-    assert types, "the model has no BatchNorm layer left"
-    plain = [t for t in types if "Sync" not in t]
-    assert not plain, f"{len(plain)} of {len(types)} BatchNorm layers are still {plain[0]}: convert them before DDP(...)"
-    worst = 0.0
-    for r in range(1, world):
-        for key in ("running_mean", "running_var"):
-            for a, b in zip(last[0][key], last[r][key]):
-                worst = max(worst, max(abs(x - y) for x, y in zip(a, b)))
-    assert worst < 1e-4, f"the ranks' running statistics differ by up to {worst:.3g}"
-    return f"{len(types)} {types[0]} layers, running statistics equal on {world} rank(s) (max diff {worst:.1e})"
+    assert world > 1, "with one rank there is nothing to average: run it on 2 or more"
+    own = {row["rank"]: row for row in rec.rows if "own" in row}
+    after = {row["rank"]: row["after"] for row in rec.rows if "after" in row}
+    assert sorted(own) == sorted(after) == list(range(world)), \
+        "not every rank logged its BatchNorm statistics before and after the exercise's lines"
+    types = own[0]["bn_types"]
+    assert types, "the model has no BatchNorm layer"
+    synced = [t for t in types if "Sync" in t]
+    assert not synced, (f"{len(synced)} of {len(types)} layers are {synced[0]}: this exercise keeps plain "
+                        "BatchNorm in training and averages its statistics afterwards")
+    spread = off = 0.0
+    for key in ("running_mean", "running_var"):
+        for layer in range(len(types)):
+            mine = [own[r]["own"][key][layer] for r in range(world)]
+            average = [sum(v) / world for v in zip(*mine)]
+            for r in range(world):
+                got = after[r][key][layer]
+                spread = max(spread, max(abs(a - b) for a, b in zip(got, after[0][key][layer])))
+                off = max(off, max(abs(a - b) for a, b in zip(got, average)))
+    assert spread < 1e-4, f"the ranks' running statistics still differ by up to {spread:.3g}"
+    assert off < 1e-4, f"the ranks agree, but not on the average of their own statistics (off by up to {off:.3g})"
+    return f"{len(types)} {types[0]} layers: every one of {world} ranks holds the average (max error {off:.1e})"
 
 
 def all_reduced(run_dir):

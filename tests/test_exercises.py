@@ -1,6 +1,6 @@
 """The exercise checkers of 03-05 (ddp_lesson.exercises), on hand-made run directories for
 the ways a learner can get it wrong. The notebooks run each checker on real runs, at 2 and
-(in CI) 3 ranks: on the starter and the solution (03 cell 03-ex5, 04 cell 04-ex5), and 05's on
+(in CI) 3 ranks: on the starter and the solution (03 cell 03-ex5, 04 cell 04-ex5, at 2 ranks or more), and 05's on
 the placements run, whose strip cell (05-strip2) also asserts that no_sync around backward
 alone still all-reduces every micro-batch (a real-run test of that here would repeat it).
 Lesson 10's fp16-step checkers (check_train_step, check_too_small_by) run one process, no
@@ -51,20 +51,35 @@ def test_set_epoch(tmp_path):
         exercises.check_set_epoch(failed)
 
 
-def bn_rows(types, means):
-    return [{"rank": r, "step": 4, "bn_types": types, "running_mean": [m], "running_var": [[1.0]]}
-            for r, m in enumerate(means)]
+def bn_rows(types, own_means, after_means):
+    """ex_syncbn.py's two rows per rank: its own running statistics, then after the exercise."""
+    rows = []
+    for r, (mine, after) in enumerate(zip(own_means, after_means)):
+        rows.append({"rank": r, "step": 4, "bn_types": types,
+                     "own": {"running_mean": [mine], "running_var": [[1.0]]}})
+        rows.append({"rank": r, "step": 4, "after": {"running_mean": [after], "running_var": [[1.0]]}})
+    return rows
 
 
-def test_syncbn(tmp_path):
-    ok = fake_run(tmp_path / "ok", 3, bn_rows(["SyncBatchNorm"], [[0.5]] * 3))
-    assert "equal on 3 rank(s)" in exercises.check_syncbn(ok)
-    plain = fake_run(tmp_path / "plain", 1, bn_rows(["BatchNorm2d"], [[0.5]]))  # 1 rank: by type
-    with pytest.raises(AssertionError, match="still BatchNorm2d"):
-        exercises.check_syncbn(plain)
-    differ = fake_run(tmp_path / "differ", 2, bn_rows(["CPUSyncBatchNorm"], [[0.5], [0.6]]))
-    with pytest.raises(AssertionError, match="differ by up to 0.1"):
-        exercises.check_syncbn(differ)
+def test_bn_average(tmp_path):
+    own = [[0.2], [0.6], [0.4]]
+    ok = fake_run(tmp_path / "ok", 3, bn_rows(["BatchNorm2d"], own, [[0.4]] * 3))
+    assert "every one of 3 ranks holds the average" in exercises.check_bn_average(ok)
+    starter = fake_run(tmp_path / "starter", 3, bn_rows(["BatchNorm2d"], own, own))   # nothing done
+    with pytest.raises(AssertionError, match="still differ by up to 0.4"):
+        exercises.check_bn_average(starter)
+    summed = fake_run(tmp_path / "summed", 3, bn_rows(["BatchNorm2d"], own, [[1.2]] * 3))  # not divided
+    with pytest.raises(AssertionError, match="not on the average"):
+        exercises.check_bn_average(summed)
+    rank0 = fake_run(tmp_path / "rank0", 3, bn_rows(["BatchNorm2d"], own, [[0.2]] * 3))   # broadcast
+    with pytest.raises(AssertionError, match="not on the average"):
+        exercises.check_bn_average(rank0)
+    synced = fake_run(tmp_path / "synced", 2, bn_rows(["CPUSyncBatchNorm"], [[0.5]] * 2, [[0.5]] * 2))
+    with pytest.raises(AssertionError, match="keeps plain BatchNorm"):
+        exercises.check_bn_average(synced)
+    alone = fake_run(tmp_path / "alone", 1, bn_rows(["BatchNorm2d"], [[0.5]], [[0.5]]))
+    with pytest.raises(AssertionError, match="nothing to average"):
+        exercises.check_bn_average(alone)
 
 
 RIGHT = {"backward only": [1, 2, 3, 4], "forward only": [4], "both": [4], "last only": [1, 2, 3]}

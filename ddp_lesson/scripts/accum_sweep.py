@@ -1,6 +1,6 @@
 """Experiment (notebook 05): a published accumulation table's shape in one launch, on CPU ranks.
 
-One process on the global batch (rank 0 alone; the other rank waits), then 2 ranks with
+One process on the global batch (rank 0 alone; the other ranks wait), then all ranks with
 accumulation steps k = 1, 2, ... (no_sync on all but the last micro-batch): time per epoch,
 time per optimizer step, optimizer steps and test accuracy, all with the same lr and
 epochs. Writes sweep.json.
@@ -93,7 +93,8 @@ def main():
         seconds, steps = train(model, x, y, args.batch_size, k, args.epochs, args.lr, sampler)
         t = torch.tensor([seconds], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        rows.append({"setup": f"{world} processes", "k": k, "seconds": t.item(), "optimizer_steps": steps,
+        setup = f"DDP, {world} rank{'s' if world > 1 else ''}"  # not "1 process": that is the row above
+        rows.append({"setup": setup, "k": k, "seconds": t.item(), "optimizer_steps": steps,
                      "test_accuracy": accuracy(model.module, device)})
     if rank == 0:
         for r in rows:

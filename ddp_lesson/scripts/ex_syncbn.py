@@ -1,11 +1,11 @@
-"""Exercise (notebook 04): BatchNorm statistics that agree across ranks.
+"""Exercise (notebook 04): BatchNorm running statistics that agree, without SyncBatchNorm.
 
     torchrun --standalone --nproc-per-node 2 ex_syncbn.py
-Each rank trains a few steps on its own shard of batch 4, then logs every BatchNorm layer's
-type and running mean and variance. `forward_sync_buffers=False`, so DDP does not copy rank 0's
-buffers over the others: what each rank holds is what its BN layers computed.
-Your job: make the ranks' running statistics agree, by normalising with global batch
-statistics.
+Each rank trains a few steps with plain BatchNorm on its own shard of batch 4.
+`forward_sync_buffers=False`, so DDP does not copy rank 0's buffers over the others: each
+rank's running statistics come from its own batches. The script logs them, runs the lines
+marked # EXERCISE, and logs them again. Your job: make every rank hold the average over
+ranks of each BN layer's running mean and running variance.
 """
 import os
 
@@ -17,9 +17,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, metrics, models, syncbn
+from ddp_lesson import data, metrics, models
 
 STEPS, BATCH = 4, 4
+
+
+def stats(bns):
+    """Every BN layer's running mean and variance, as lists for the log."""
+    return {"running_mean": [m.running_mean.tolist() for m in bns],
+            "running_var": [m.running_var.tolist() for m in bns]}
 
 
 @record
@@ -35,7 +41,6 @@ def main():
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler)
     model = models.SmallCNN(width=8).to(device)
-    # EXERCISE: add one line here
     model = DDP(model, device_ids=[local_rank] if use_cuda else None,
                 forward_sync_buffers=False)  # DDP: keep each rank's own BN buffers
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -47,9 +52,13 @@ def main():
         opt.step()
         metrics.log(step, loss=loss)
     bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    metrics.log(step, bn_types=[type(m).__name__ for m in bns],
-                running_mean=[m.running_mean.tolist() for m in bns],
-                running_var=[m.running_var.tolist() for m in bns])
+    metrics.log(step, bn_types=[type(m).__name__ for m in bns], own=stats(bns))  # before
+
+    # EXERCISE: every rank ends with the average over ranks of each BN layer's
+    # running_mean and running_var (bns is this rank's list of BN layers)
+    pass  # your answer here
+
+    metrics.log(step, after=stats(bns))
     dist.destroy_process_group()  # DDP
 
 
