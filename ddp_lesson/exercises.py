@@ -52,7 +52,7 @@ def check_set_epoch(run_dir):
         shards = [order[r, e] for r in range(world)]
         everything = sorted(i for s in shards for i in s)
         assert everything == sorted(set(everything)), \
-            f"epoch {e}: some sample was trained on by two ranks (are the shards still DistributedSampler's?)"
+            f"epoch {e}: some sample was trained on by two ranks (do all ranks draw the same permutation: the same seed on every rank?)"
         assert everything == list(range(n)), \
             f"epoch {e}: the shards cover {len(set(everything) & set(range(n)))} of the {n} samples"
     for a, b in zip(epochs, epochs[1:]):

@@ -54,8 +54,8 @@ def main():
     rank = int(os.environ["RANK"])                # DDP: global rank, set by torchrun
     local_rank = int(os.environ["LOCAL_RANK"])    # DDP: rank on this machine -> which GPU
     world_size = int(os.environ["WORLD_SIZE"])    # DDP: number of processes in the job
-    # MASTER_ADDR:MASTER_PORT (set by torchrun): a key-value store (TCPStore) that rank 0's torchrun
-    # agent starts for this job; init_process_group meets the other ranks there.
+    # MASTER_ADDR:MASTER_PORT (set by torchrun): a key-value store (TCPStore) that the torchrun
+    # agent on the first machine (node 0) starts for this job; init_process_group meets the other ranks there.
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP: nccl on GPUs, gloo on CPUs
     if use_cuda:

@@ -91,7 +91,7 @@ def main():
 
     # Accuracy, counted right: every test sample exactly once (an unpadded shard per rank),
     # counts summed over ranks, then one division. model.module is the plain model inside DDP:
-    # its forward sends nothing (DDP's own forward may broadcast buffers), so shards of
+    # its forward sends nothing (DDP's own forward may broadcast buffers: notebook 03b, section 2), so shards of
     # different sizes are fine.
     shard = Subset(test_set, range(rank, len(test_set), world))
     counts = count_correct(model.module, DataLoader(shard, batch_size=256), device)
