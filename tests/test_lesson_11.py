@@ -185,15 +185,18 @@ def test_resumed_on_one_rank_continues_the_three_rank_run(trio):
 
 def test_rows_carry_tokens_per_s_and_mfu(trio):
     rec = trio["a"]
-    head = {r["rank"]: r for r in rec.rows if "peak_flops" in r}
+    head = {r["rank"]: r for r in rec.rows if "peak_source" in r}
     rows = [r for r in rec.rows if "mfu" in r]
     t = {(r["rank"], r["step"]): r["time"] for r in rows}
     for r in rows:                          # a step is timed inside the gap since the rank's last row
         if r["step"] > 1:
             assert r["step_s"] <= t[r["rank"], r["step"]] - t[r["rank"], r["step"] - 1] + 1e-6
         assert abs(r["tokens_per_s"] * r["step_s"] - r["windows"] * BLOCK) < 1e-6 * r["windows"] * BLOCK
-        h = head[r["rank"]]
-        assert abs(r["mfu"] - h["flops_per_token"] * r["tokens_per_s"] / h["peak_flops"]) <= 1e-9 * r["mfu"]
+        h = head[r["rank"]]                 # each row's reference: the matmul timed right after that step
+        assert abs(r["mfu"] - h["flops_per_token"] * r["tokens_per_s"] / r["peak_flops"]) <= 1e-9 * r["mfu"]
+    assert "after each step" in head[0]["peak_source"] and len({r["peak_flops"] for r in rows}) > 1
+    mfus = sorted(r["mfu"] for r in rows)   # 3 ranks on 2 cores: load hits the step and the matmul alike
+    assert 0 < mfus[len(mfus) // 2] <= 1, mfus
     assert exercises.check_global_batch(rec.path)                   # 12 windows per step, summed
 
 

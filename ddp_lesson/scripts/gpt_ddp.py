@@ -166,18 +166,20 @@ def datasheet_peak(name, dtype=torch.float16):
     return None
 
 
-def peak_flops(device, dtype):
-    """(FLOP/s, where from): a GPU's fp16/bf16 datasheet peak, else a matmul rate measured on
-    this rank (an achieved rate, below the hardware's peak)."""
+def reference_rate(device, dtype):
+    """(FLOP/s, where from, remeasure): a GPU's fp16/bf16 datasheet peak (remeasure None), else
+    the rate of a 512x512 matmul timed on this rank (an achieved rate, below the hardware's
+    peak) and a function that times it again (best of 3): each step's MFU takes the rate
+    measured right after it, with the same threads under the same load as the step."""
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         name = torch.cuda.get_device_name(device)
         peak = datasheet_peak(name, dtype)
         if peak:
-            return peak, f"datasheet ({name}, dense {str(dtype).split('.')[-1]})"
+            return peak, f"datasheet ({name}, dense {str(dtype).split('.')[-1]})", None
     n = 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = 1 / matmul_s(a, b, tries=7)
-    return 2 * n ** 3 * best, f"measured matmul rate ({n}x{n} {str(dtype).split('.')[-1]}, best of up to 7)"
+    rate = lambda tries: 2 * n ** 3 / matmul_s(a, b, tries=tries)
+    return rate(7), f"measured matmul rate ({n}x{n} {str(dtype).split('.')[-1]}, best of up to 7 at the start, then of 3 after each step)", lambda: rate(3)
 
 
 def matmul_s(a, b, tries=5, budget_s=1.0):
@@ -193,6 +195,11 @@ def matmul_s(a, b, tries=5, budget_s=1.0):
         if time.perf_counter() - start > budget_s:
             break
     return best
+
+
+def make_optimizer(model, lr):
+    """AdamW with nanoGPT's betas and weight decay."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
 
 
 def lr_at(step, args):
@@ -259,7 +266,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp, torch.float32)
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=args.amp != "off")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    peak, peak_source = peak_flops(device, dtype)
+    peak, peak_source, remeasure = reference_rate(device, dtype)
 
     text, n_files = stdlib_bytes()
     train_data, val_data = split(text)
@@ -273,7 +280,7 @@ def main():
     torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
     model = GPT(args.layers, args.heads, args.width, args.block).to(device)
     fpt = flops_per_token(model, args.layers, args.width, args.block)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = make_optimizer(model, args.lr)
     step = 0
     if args.resume:  # weights, optimizer and scaler state, and the step: nothing depends on world size
         ckpt = torch.load(args.resume, map_location=device, weights_only=True)  # DDP: onto this rank's device
@@ -333,9 +340,14 @@ def main():
             if use_cuda:
                 torch.cuda.synchronize(device)                   # the step's kernels are done
             step_s = time.perf_counter() - t0
+            times = timer.lap()  # data_s, compute_s, wait_s, mem_mb
+            if remeasure:  # CPU: the matmul rate now, side by side with the step (tens of ms)
+                peak = remeasure()
+                timer.lap()  # its time is not the next step's
+            scale = {"scale": scaler.get_scale()} if scaler.is_enabled() else {}  # fp16: for the next step
             metrics.log(step, loss=sums[0] / sums[1], grad_norm=grad_norm, windows=len(ids), window_ids=ids,
                         lr=lr_at(step - 1, args), tokens_per_s=tokens / step_s, mfu=fpt * tokens / step_s / peak,
-                        step_s=step_s, epoch=epoch, **timer.lap())  # + data_s, compute_s, wait_s, mem_mb
+                        peak_flops=peak, step_s=step_s, epoch=epoch, **scale, **times)
             if step % args.eval_every == 0 or step == stop:
                 val_loss, val_tokens = evaluate(model, val_set, args.eval_windows, rank, world_size, device, autocast)
                 metrics.log(step, val_loss=val_loss, val_tokens=val_tokens)
