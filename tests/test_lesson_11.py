@@ -62,11 +62,12 @@ def test_datasheet_peak_of_real_device_names():
     assert gpt.datasheet_peak("NVIDIA A100 80GB PCIe", torch.bfloat16) == 312e12
 
 
-def test_peak_flops_on_a_gpu_in_the_table_is_its_datasheet_peak(monkeypatch):
+def test_reference_rate_on_a_gpu_in_the_table_is_its_datasheet_peak(monkeypatch):
     """The datasheet branch reads only the device's name: it runs here without a GPU."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100 80GB PCIe")
-    peak, source = gpt.peak_flops(torch.device("cuda", 0), torch.float16)
+    peak, source, remeasure = gpt.reference_rate(torch.device("cuda", 0), torch.float16)
     assert peak == 312e12 and source.startswith("datasheet (NVIDIA A100 80GB PCIe"), source
+    assert remeasure is None   # a datasheet peak is not timed again after each step
 
 
 def test_ddp_buckets_are_one_then_rebuilt_as_the_notebook_predicts():

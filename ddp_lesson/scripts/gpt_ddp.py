@@ -33,7 +33,7 @@ from ddp_lesson import costmodel, metrics
 # fp32 unless torch.backends.cuda.matmul.allow_fp16_accumulation is set. The FLOP/s of autocast's
 # matmuls, not of fp32 ones. The T4 and V100 have no bf16 tensor cores: fp16 only (NO_BF16).
 # A GPU not in the table (A10G: no NVIDIA datasheet; GH200, H800, RTX A6000, a MIG slice...) gets no
-# datasheet peak: peak_flops() then times a 512x512 matmul on it, which on a GPU is bound by the
+# datasheet peak: reference_rate() then times a 512x512 matmul on it, which on a GPU is bound by the
 # kernel launch, so that MFU comes out far too high; add the GPU's dense figure here instead.
 DATASHEET_PEAK = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 NVL": 835e12,
                   "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12,
