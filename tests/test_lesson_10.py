@@ -3,9 +3,11 @@ runs at DDP_LESSON_NPROC, 2 in CI): 3 gloo CPU ranks, real torchrun runs through
 ddp_lesson.launch, the smallest that can fail (2 steps). The sharding run and the checkpoint
 save start together; the checkpoint is then loaded at 1 rank (the notebook loads at N + 1).
 
-Not repeated here, because the notebook runs them at its own world size: mixed precision
-with fp16 and a GradScaler, clipped norm == max_norm (cell 10-05), the compress hooks'
-bytes on the wire and loss (10-09), torch.compile's graph split (10-13). The ring
+torch.compile's graph split (cell 10-13) is mirrored here at 3 ranks in a short run (3 steps):
+the graphs handed to aot_eager, AOTAutograd's forward and backward graphs, DDP's rebuilt
+buckets in the compiled run, the counting backend's orders. Not repeated here, because the
+notebook runs them at its own world size: mixed precision with fp16 and a GradScaler,
+clipped norm == max_norm (cell 10-05), the compress hooks' bytes on the wire and loss (10-09). The ring
 all-reduce's 2(N-1)/N at 3 ranks, which those bytes checks rest on, is checked here on the
 sharding run's DDP bytes (test_bytes_sent_zero_is_ddp_plus_broadcasts)."""
 import json
@@ -35,7 +37,11 @@ def launched(tmp_path_factory):
                               run_dir=base / "shard", timeout=300),
         "save": launch.start(SCRIPTS / "beyond_dcp.py", cpu=True, nproc=WORLD,
                              args=["--save", str(ckpt), "--steps", STEPS], run_dir=base / "save", timeout=300),
+        "compile": launch.start(SCRIPTS / "beyond_compile.py", cpu=True, nproc=WORLD, args=["--steps", 3],
+                                run_dir=base / "compile", timeout=600),
     }
+    for run in list(started.values()):
+        run.wait()          # all ended before any test: the leftover-process check runs per test
     started["ckpt"] = ckpt
     yield started
     for run in started.values():
@@ -99,3 +105,18 @@ def test_bytes_sent_zero_is_ddp_plus_broadcasts(launched):
     ratio = sum(sent["zero"]) / sum(sent["ddp"])
     assert 1.45 <= ratio <= 1.55, ratio                         # + (N-1) x 4P of broadcasts in all
     assert 1.9 <= sum(sent["fsdp"]) / sum(sent["ddp"]) <= 2.1   # gloo's reduce-scatter is an all-reduce
+
+
+def test_compile_graphs_per_bucket_and_ddp_rebuilt_buckets(launched):
+    v = finished(launched["compile"], "compile.json")
+    assert v["world_size"] == WORLD and v["backend"] == "aot_eager"
+    split, eager, compiled = v["split"], v["ddp_buckets"]["eager"], v["ddp_buckets"]["compiled"]
+    assert len(eager) > 1 and split["graphs"] == len(eager)               # one graph per bucket, handed over
+    assert split["aot_graphs"] == {"forward": split["graphs"], "backward": split["graphs"]}
+    assert compiled != eager                                               # DDP rebuilt other buckets
+    assert sorted(sum(compiled, [])) == sorted(sum(eager, []))             # every gradient, once
+    assert v["no_split"]["graphs"] == 1 and sum(v["no_split"]["ops_per_graph"]) == sum(split["ops_per_graph"])
+    outer = v["compile_of_ddp"]
+    assert outer["graphs"] == outer["ddp_buckets"] == split["graphs"] and outer["ops_per_graph"] == split["ops_per_graph"]
+    assert v["compile_of_ddp_sequential"]["graphs"] == 0
+    assert v["max_loss_diff"] < 1e-4 and v["max_weight_diff"] < 1e-4

@@ -1,18 +1,26 @@
 """Lesson 10: torch.compile with DDP.
 
     torchrun --standalone --nproc-per-node 2 beyond_compile.py --steps 8
-1. Graph split: a backend that only counts the graphs it is given shows that Dynamo's
-   DDPOptimizer cuts the model's forward graph into pieces that mirror DDP's buckets (its own
-   bucketing of the graph's parameters, reverse order, DDP's bucket_bytes_cap, a 1 MiB first
-   bucket), so each bucket's all-reduce can start while backward still runs; with
-   torch._dynamo.config.optimize_ddp = False it is one graph. Both orders, DDP(compile(m))
-   and compile(DDP(m)), on a user-defined module. In compile(DDP(m)) Dynamo skips DDP's own
-   forward (torch.nn is on its skip list for the frames it starts at) and starts at the
-   user's forward; with a bare nn.Sequential every forward is torch.nn code, so no graph.
+What is counted: the graphs Dynamo hands the backend, one per call of the backend.
+1. Graph split: Dynamo's DDPOptimizer cuts the model's forward graph into pieces that mirror
+   DDP's buckets (its own bucketing of the graph's parameters, reverse order, DDP's
+   bucket_bytes_cap, a 1 MiB first bucket) and hands each piece to the backend on its own, so
+   that backward completes one bucket's worth of gradients while the rest still runs.
+   Counted with a backend that only counts the graphs it is given and runs them as they are
+   (backward stays eager autograd): in compile(DDP(m)), one per bucket DDP all-reduces; in
+   DDP(compile(m)) with torch._dynamo.config.optimize_ddp = False, one. Both orders on a
+   user-defined module. In compile(DDP(m)) Dynamo skips DDP's own forward (torch.nn is on
+   its skip list for the frames it starts at) and starts at the user's forward; with a bare
+   nn.Sequential every forward is torch.nn code, so no graph.
 2. Training: the compiled model trains like the eager one from the same start, within a
-   stated tolerance. --backend auto: inductor on GPUs; aot_eager on CPU ranks (it captures
-   the same graphs and splits them the same way, but generates no C++, which took minutes on
-   2 busy cores). --backend inductor on CPU needs a C++ compiler and says so without one.
+   stated tolerance. --backend auto: inductor on GPUs; aot_eager on CPU ranks (no C++ code
+   generation, which took minutes on 2 busy cores). The training backend is wrapped the same
+   way, so the graphs it was really given are counted too (one per bucket of eager DDP), and
+   with aot_eager so are the graphs AOTAutograd makes of each: a forward and a backward graph
+   per piece. A comm hook records which parameters each of DDP's buckets held, eager and
+   compiled: DDP rebuilds its buckets from the order the gradients became ready, and a
+   compiled piece's backward hands over all its gradients at once. --backend inductor on CPU
+   needs a C++ compiler and says so without one.
 Writes compile.json.
 """
 import argparse
@@ -27,6 +35,7 @@ import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -70,31 +79,50 @@ def mlp(hidden, sequential=False):
 
 
 class Buckets:
-    """Comm hook state: how many buckets DDP all-reduced."""
-    def __init__(self):
-        self.calls = 0
+    """Comm hook state: the buckets DDP all-reduced, each as its parameters' names."""
+    def __init__(self, module):
+        self.names = {id(p): n.replace("_orig_mod.", "") for n, p in module.named_parameters()}
+        self.seen = []
 
 
 def count_buckets(state, bucket):
-    state.calls += 1
+    state.seen.append([state.names[id(p)] for p in bucket.parameters()])
     return allreduce_hook(None, bucket)
 
 
+def counting(graphs, then=None, aot=None):
+    """A backend that notes the ops of each graph Dynamo hands it, then compiles the graph with
+    the backend named `then`, or (None) runs it as it is. aot: a dict to count the forward and
+    backward graphs AOTAutograd makes of each graph under aot_eager."""
+    def backend(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+        if then is None:
+            return gm.forward
+        if then == "aot_eager" and aot is not None:
+            return aot_eager(gm, example_inputs, fw_compiler=noting(aot, "forward"),
+                             bw_compiler=noting(aot, "backward"))
+        return torch._dynamo.lookup_backend(then)(gm, example_inputs)
+    return backend
+
+
+def noting(aot, kind):
+    """aot_eager's own graph compiler (boxed_nop: no code generation), counting its calls."""
+    def compile_graph(gm, example_inputs):
+        aot[kind] += 1
+        return boxed_nop(gm, example_inputs)
+    return compile_graph
+
+
 def graphs_of(model_fn, optimize_ddp, x, y):
-    """Compile with a backend that records each graph it receives and runs it as it is."""
+    """Compile with the counting backend that runs each graph as it is; graphs and buckets."""
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = optimize_ddp
     graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
-        return gm.forward
-
-    model, buckets = model_fn(counting_backend)
+    model, buckets = model_fn(counting(graphs))
     for _ in range(2):                     # DDP rebuilds its buckets after the first step
-        buckets.calls = 0
+        buckets.seen = []
         F.cross_entropy(model(x), y).backward()
-    return graphs, buckets.calls
+    return graphs, len(buckets.seen)
 
 
 def compiler():
@@ -121,47 +149,53 @@ def main():
     def ddp_of_compiled(backend):           # DDP(torch.compile(model)): the form that splits here
         model = DDP(torch.compile(copy.deepcopy(base), backend=backend), device_ids=ids,
                     bucket_cap_mb=args.bucket_cap_mb)
-        state = Buckets()
+        state = Buckets(model.module)
         model.register_comm_hook(state, count_buckets)
         return model, state
 
     def compiled_ddp(backend, inner=base):  # torch.compile(DDP(model)): the form the docs show
         model = DDP(copy.deepcopy(inner), device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
-        state = Buckets()
+        state = Buckets(model.module)
         model.register_comm_hook(state, count_buckets)
         return torch.compile(model, backend=backend), state
-
-    out = {"world_size": world, "bucket_cap_mb": args.bucket_cap_mb,
-           "param_mb": sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20}
-    split, buckets = graphs_of(ddp_of_compiled, True, x0, y0)
-    whole, _ = graphs_of(ddp_of_compiled, False, x0, y0)
-    outer, outer_buckets = graphs_of(compiled_ddp, True, x0, y0)
-    seq, _ = graphs_of(lambda backend: compiled_ddp(backend, mlp(args.hidden, sequential=True).to(device)),
-                       True, x0, y0)
-    out["split"] = {"graphs": len(split), "ops_per_graph": split, "ddp_buckets": buckets}
-    out["no_split"] = {"graphs": len(whole), "ops_per_graph": whole}
-    out["compile_of_ddp"] = {"graphs": len(outer), "ops_per_graph": outer, "ddp_buckets": outer_buckets}
-    out["compile_of_ddp_sequential"] = {"graphs": len(seq), "ops_per_graph": seq}
 
     cxx = compiler()
     backend = args.backend if args.backend != "auto" else ("inductor" if use_cuda else "aot_eager")
     if backend == "inductor" and not use_cuda and cxx is None:
         raise SystemExit("inductor on CPU needs a C++ compiler (g++ or clang++); none was found: "
                          "use --backend aot_eager")
-    out["backend"], out["cxx"] = backend, cxx
+    out = {"world_size": world, "bucket_cap_mb": args.bucket_cap_mb, "backend": backend, "cxx": cxx,
+           "param_mb": sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20}
+
+    # 1. Graphs handed to a backend that only counts them (no compiling): the whole graph
+    #    without the DDPOptimizer, and the other order of DDP and compile.
+    whole, _ = graphs_of(ddp_of_compiled, False, x0, y0)
+    outer, outer_buckets = graphs_of(compiled_ddp, True, x0, y0)
+    seq, _ = graphs_of(lambda backend: compiled_ddp(backend, mlp(args.hidden, sequential=True).to(device)),
+                       True, x0, y0)
+    out["no_split"] = {"graphs": len(whole), "ops_per_graph": whole}
+    out["compile_of_ddp"] = {"graphs": len(outer), "ops_per_graph": outer, "ddp_buckets": outer_buckets}
+    out["compile_of_ddp_sequential"] = {"graphs": len(seq), "ops_per_graph": seq}
+
+    # 2. Training, eager vs compiled with the real backend (DDP(torch.compile(model)), split by
+    #    the DDPOptimizer), the graphs that backend was given counted on the way in.
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = True
-    losses, weights, times = {}, {}, {}
+    graphs, aot = [], ({"forward": 0, "backward": 0} if backend == "aot_eager" else None)
+    losses, weights, times, buckets = {}, {}, {}, {}
     for name in ("eager", "compiled"):
         net = copy.deepcopy(base)
         if name == "compiled":
-            net = torch.compile(net, backend=backend)
+            net = torch.compile(net, backend=counting(graphs, then=backend, aot=aot))
         model = DDP(net, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
+        state = Buckets(net)
+        model.register_comm_hook(state, count_buckets)   # both runs: the same all-reduce
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         losses[name], times[name] = [], []
         for step in range(args.steps):
             i = (step * world + rank) * b
             x, y = x_all[i:i + b].to(device), y_all[i:i + b].to(device)
+            state.seen = []
             t0 = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -169,7 +203,10 @@ def main():
             opt.zero_grad(set_to_none=True)
             times[name].append(time.perf_counter() - t0)
             losses[name].append(loss.item())
+            buckets[name] = state.seen                     # the last step's (rebuilt) buckets
         weights[name] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    out["split"] = {"graphs": len(graphs), "ops_per_graph": graphs, "aot_graphs": aot}
+    out["ddp_buckets"] = buckets       # per training run: which parameters each bucket held
     out["losses"] = losses
     out["first_step_s"] = {k: v[0] for k, v in times.items()}        # compiled: includes compiling
     out["later_step_ms"] = {k: 1000 * min(v[1:]) for k, v in times.items()}
