@@ -9,9 +9,11 @@ What is counted: the graphs Dynamo hands the backend, one per call of the backen
    Counted with a backend that only counts the graphs it is given and runs them as they are
    (backward stays eager autograd): in compile(DDP(m)), one per bucket DDP all-reduces; in
    DDP(compile(m)) with torch._dynamo.config.optimize_ddp = False, one. Both orders on a
-   user-defined module. In compile(DDP(m)) Dynamo skips DDP's own forward (torch.nn is on
-   its skip list for the frames it starts at) and starts at the user's forward; with a bare
-   nn.Sequential every forward is torch.nn code, so no graph.
+   user-defined module. In compile(DDP(m)) Dynamo starts tracing DDP's forward (torch.compile
+   wraps a torch.nn module so that it can) but breaks the graph inside it, at DDP's C++
+   logging/reducer calls and at _inside_ddp_forward (disabled for Dynamo); the user's forward,
+   called from there, is a new frame that Dynamo compiles. With a bare nn.Sequential that
+   frame is torch.nn code, which Dynamo skips as a frame, so no graph.
 2. Training: the compiled model trains like the eager one from the same start, within a
    stated tolerance. --backend auto: inductor on GPUs; aot_eager on CPU ranks (no C++ code
    generation, which took minutes on 2 busy cores). The training backend is wrapped the same
@@ -46,7 +48,7 @@ def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16, help="per process")
-    p.add_argument("--hidden", type=int, default=512, help="4 layers of ~1 MB at 512")
+    p.add_argument("--hidden", type=int, default=512, help="at 512: 3 layers of 1-1.5 MiB and a 20 KB head")
     p.add_argument("--backend", choices=["auto", "inductor", "aot_eager", "eager"], default="auto")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="DDP's bucket size (>= 1: "
                    "the DDPOptimizer wants the first bucket, 1 MB, to be no larger than the rest)")
@@ -55,7 +57,7 @@ def parse_args():
 
 class MLP(nn.Module):
     """A user-defined module, as real models are: its forward is not torch.nn code, so Dynamo
-    starts a frame there even when DDP's forward (torch.nn code, skipped) calls it."""
+    starts a frame there when DDP's _inside_ddp_forward (disabled for Dynamo) calls it."""
     def __init__(self, hidden):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(3 * 16 * 16, hidden), nn.Linear(hidden, hidden),
