@@ -189,12 +189,15 @@ def test_rows_carry_tokens_per_s_and_mfu(trio):
     head = {r["rank"]: r for r in rec.rows if "peak_source" in r}
     rows = [r for r in rec.rows if "mfu" in r]
     t = {(r["rank"], r["step"]): r["time"] for r in rows}
+    # FLOPs per token from the formula on TINY's model, not the value the run logged
+    fpt = gpt.flops_per_token(gpt.GPT(1, 2, 32, BLOCK), 1, 32, BLOCK)
     for r in rows:                          # a step is timed inside the gap since the rank's last row
         if r["step"] > 1:
             assert r["step_s"] <= t[r["rank"], r["step"]] - t[r["rank"], r["step"] - 1] + 1e-6
         assert abs(r["tokens_per_s"] * r["step_s"] - r["windows"] * BLOCK) < 1e-6 * r["windows"] * BLOCK
-        h = head[r["rank"]]                 # each row's reference: the matmul timed right after that step
-        assert abs(r["mfu"] - h["flops_per_token"] * r["tokens_per_s"] / r["peak_flops"]) <= 1e-9 * r["mfu"]
+        assert head[r["rank"]]["flops_per_token"] == fpt
+        # each row's reference: the matmul timed right after that step
+        assert abs(r["mfu"] - fpt * r["tokens_per_s"] / r["peak_flops"]) <= 1e-9 * r["mfu"]
     assert "after each step" in head[0]["peak_source"] and len({r["peak_flops"] for r in rows}) > 1
     mfus = sorted(r["mfu"] for r in rows)   # 3 ranks on 2 cores: load hits the step and the matmul alike
     assert 0 < mfus[len(mfus) // 2] <= 1, mfus
