@@ -255,8 +255,9 @@ class RunPanel:
         the cell that calls run() and wait() too): with the same settings (script, options
         after `overrides`, devices) that run is returned, and no second one starts; with other
         settings (the cell's overrides, or a widget changed after the click) this waits for it
-        to end, then starts its own. A run still going that no click started is waited for
-        too. So a run() that starts nothing has had bad input, and wait() then raises."""
+        to end, then starts its own. While a run that no click started is still going, this
+        raises BadInput (it may never end). After bad input wait() raises too, so a cell
+        never checks an earlier run in place of its own."""
         clicked, self._unchecked_click = self._unchecked_click, None
         if clicked is not None and clicked[0] is self.last_run:
             run, settings = clicked
@@ -272,9 +273,8 @@ class RunPanel:
                       "waiting for it to end, then starting the cell's own.", flush=True)
                 self.wait()
         elif self.last_run is not None and not self.last_run.done():
-            print("A run is still going: waiting for it to end, then starting this cell's own.",
-                  flush=True)
-            self.wait()
+            raise BadInput("A run started earlier is still going: wait for it (panel.wait()) "
+                           "or press Stop, then run this cell again.")
         return self._start(**overrides)
 
     def _click(self):

@@ -164,7 +164,10 @@ def test_stop_and_interrupt_end_every_process(tmp_path, write_script, monkeypatc
     run2 = panel.run()
     assert run2 is not None and run2.run_dir != run.run_dir
     assert wait_until(lambda: "step" in panel.log_text, timeout=60), panel.log_text
-    assert panel.run() is None and "already going" in panel.status_text
+    with pytest.raises(BadInput, match="still going"):   # a cell's run() while a run goes
+        panel.run()
+    panel.run_button.click()                             # the button: refused on the status line
+    assert "already going" in panel.status_text and panel.last_run is run2
     panel.stop_button.click()
     assert wait_until(lambda: panel.status == "interrupted", timeout=60), panel.status_text
     assert panel.status_text.startswith("Interrupted")
@@ -206,17 +209,16 @@ def test_the_cell_after_a_click_checks_that_run_or_waits_for_it(tmp_path, write_
     assert "waiting for it to end" in capsys.readouterr().out
     assert own.config["args"] == ["--steps", "5"]            # ... then started its own
 
-    again = panel.run(steps=3)                    # own still going, no click: wait, then start
-    assert again is not None and again is not own and own.done()
-    assert "waiting for it to end" in capsys.readouterr().out
-    assert again.config["args"] == ["--steps", "3"]
+    with pytest.raises(BadInput, match="still going"):   # own still going, no click: a clear error,
+        panel.run(steps=3)                                # not None and a wait() on `own`
+    assert panel.last_run is own
     assert panel.wait(timeout=120)["status"] == "ok"
 
     panel.run_button.click()                      # the widgets now hold the cell's settings
     clicked = panel.last_run
-    assert panel.run(steps=3) is clicked          # same settings: the cell checks the clicked run
+    assert panel.run(steps=5) is clicked          # same settings: the cell checks the clicked run
     assert panel.wait(timeout=120)["status"] == "ok"
-    assert panel.runs == [first.run_dir, own.run_dir, again.run_dir, clicked.run_dir]
+    assert panel.runs == [first.run_dir, own.run_dir, clicked.run_dir]   # three runs
 
     assert panel.run(steps=0.5) is None           # bad input after a run: wait() must not
     with pytest.raises(BadInput, match="steps"):  # hand back the earlier run's result
