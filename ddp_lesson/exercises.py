@@ -79,15 +79,19 @@ def check_bn_average(run_dir):
     synced = [t for t in types if "Sync" in t]
     assert not synced, (f"{len(synced)} of {len(types)} layers are {synced[0]}: this exercise keeps plain "
                         "BatchNorm in training and averages its statistics afterwards")
-    spread = off = 0.0
+    spread = off = differ = 0.0
     for key in ("running_mean", "running_var"):
         for layer in range(len(types)):
             mine = [own[r]["own"][key][layer] for r in range(world)]
             average = [sum(v) / world for v in zip(*mine)]
+            differ = max(differ, max(max(v) - min(v) for v in zip(*mine)))
             for r in range(world):
                 got = after[r][key][layer]
                 spread = max(spread, max(abs(a - b) for a, b in zip(got, after[0][key][layer])))
                 off = max(off, max(abs(a - b) for a, b in zip(got, average)))
+    # else equal buffers before the exercise's lines would pass whatever those lines do
+    assert differ > 1e-3, ("the ranks' own statistics already agreed before the # EXERCISE lines "
+                           f"(they differ by at most {differ:.3g}): change only those lines")
     assert spread < 1e-4, f"the ranks' running statistics still differ by up to {spread:.3g}"
     assert off < 1e-4, f"the ranks agree, but not on the average of their own statistics (off by up to {off:.3g})"
     return f"{len(types)} {types[0]} layers: every one of {world} ranks holds the average (max error {off:.1e})"

@@ -252,10 +252,12 @@ class RunPanel:
         when the input was bad: then the status line says why and nothing started.
 
         After a click on Run that no cell has checked yet (a learner pressed Run, then ran
-        the cell that calls run() and wait() too): with the same settings (script, options,
-        devices) that run is returned, and no second one starts; with other settings this
-        waits for it to end, then starts its own. Either way the cell checks a run with its
-        own settings, whatever the timing of the click."""
+        the cell that calls run() and wait() too): with the same settings (script, options
+        after `overrides`, devices) that run is returned, and no second one starts; with other
+        settings (the cell's overrides, or a widget changed after the click) this waits for it
+        to end, then starts its own. While a run that no click started is still going, this
+        raises BadInput (it may never end). After bad input wait() raises too, so a cell
+        never checks an earlier run in place of its own."""
         clicked, self._unchecked_click = self._unchecked_click, None
         if clicked is not None and clicked[0] is self.last_run:
             run, settings = clicked
@@ -270,12 +272,16 @@ class RunPanel:
                 print("The run started with the Run button has other settings than this cell's: "
                       "waiting for it to end, then starting the cell's own.", flush=True)
                 self.wait()
+        elif self.last_run is not None and not self.last_run.done():
+            raise BadInput("A run started earlier is still going: wait for it (panel.wait()) "
+                           "or press Stop, then run this cell again.")
         return self._start(**overrides)
 
     def _click(self):
         settings = self._settings()
         run = self._start()
-        self._unchecked_click = (run, settings) if run is not None else None
+        if run is not None:   # a click refused while a run is going keeps the earlier record
+            self._unchecked_click = (run, settings)
 
     def _settings(self):
         """What makes two runs of this panel the same: the script's text, its arguments, the devices."""
@@ -318,7 +324,7 @@ class RunPanel:
         """Block until the run ends, updating the panel from this thread; the result (None
         if still running after `timeout` s). An interrupt stops the run, then propagates."""
         run = self.last_run
-        if run is None:
+        if run is None or self.error is not None:   # bad input: not the earlier run's result
             raise BadInput(self.error or "Nothing to wait for: press Run or call panel.run() first.")
         if self.plot.display_id is None and _in_kernel():
             display(self)  # headless `panel.run(); panel.wait()`: show it where it runs

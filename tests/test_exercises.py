@@ -74,6 +74,10 @@ def test_bn_average(tmp_path):
     rank0 = fake_run(tmp_path / "rank0", 3, bn_rows(["BatchNorm2d"], own, [[0.2]] * 3))   # broadcast
     with pytest.raises(AssertionError, match="not on the average"):
         exercises.check_bn_average(rank0)
+    # buffers made equal before the exercise's lines (a broadcast after training): own agrees
+    equal = fake_run(tmp_path / "equal", 3, bn_rows(["BatchNorm2d"], [[0.2]] * 3, [[0.2]] * 3))
+    with pytest.raises(AssertionError, match="already agreed before the # EXERCISE lines"):
+        exercises.check_bn_average(equal)
     synced = fake_run(tmp_path / "synced", 2, bn_rows(["CPUSyncBatchNorm"], [[0.5]] * 2, [[0.5]] * 2))
     with pytest.raises(AssertionError, match="keeps plain BatchNorm"):
         exercises.check_bn_average(synced)

@@ -164,7 +164,10 @@ def test_stop_and_interrupt_end_every_process(tmp_path, write_script, monkeypatc
     run2 = panel.run()
     assert run2 is not None and run2.run_dir != run.run_dir
     assert wait_until(lambda: "step" in panel.log_text, timeout=60), panel.log_text
-    assert panel.run() is None and "already going" in panel.status_text
+    with pytest.raises(BadInput, match="still going"):   # a cell's run() while a run goes
+        panel.run()
+    panel.run_button.click()                             # the button: refused on the status line
+    assert "already going" in panel.status_text and panel.last_run is run2
     panel.stop_button.click()
     assert wait_until(lambda: panel.status == "interrupted", timeout=60), panel.status_text
     assert panel.status_text.startswith("Interrupted")
@@ -190,23 +193,36 @@ def test_failing_rank_traceback_reaches_the_panel(tmp_path, write_script):
 def test_the_cell_after_a_click_checks_that_run_or_waits_for_it(tmp_path, write_script, capsys):
     """A learner presses Run, then runs the next cell too (panel.run(); panel.wait(); checks).
     With other settings than the click's, the cell waits for the clicked run to end, then
-    starts its own; with the same settings it checks the clicked run, without a second run."""
+    starts its own; with the same settings it checks the clicked run, without a second run.
+    A second click while the first run goes (refused) keeps the record of the first; and a
+    run still going that no click started is waited for too: run() never hands the cell None
+    while another run goes."""
     script = write_script("short.py", SHORT)      # SHORT: below, a rank that logs --steps rows
     panel = RunPanel(script, options={"steps": 60}, picker=DevicePicker(gpus=[]), runs_base=tmp_path)
     panel.run_button.click()                      # 60 steps of 50 ms: still going below
     first = panel.last_run
+    panel.run_button.click()                      # a second click: refused, the first one stands
+    assert panel.last_run is first and "already going" in panel.status_text
     own = panel.run(steps=5)                      # the cell asks for other settings
     assert own is not None and own is not first, "the cell must not wait on a run with other settings"
     assert first.done() and first.result["status"] == "ok"   # it waited for the learner's run ...
     assert "waiting for it to end" in capsys.readouterr().out
     assert own.config["args"] == ["--steps", "5"]            # ... then started its own
+
+    with pytest.raises(BadInput, match="still going"):   # own still going, no click: a clear error,
+        panel.run(steps=3)                                # not None and a wait() on `own`
+    assert panel.last_run is own
     assert panel.wait(timeout=120)["status"] == "ok"
 
     panel.run_button.click()                      # the widgets now hold the cell's settings
     clicked = panel.last_run
     assert panel.run(steps=5) is clicked          # same settings: the cell checks the clicked run
     assert panel.wait(timeout=120)["status"] == "ok"
-    assert panel.runs == [first.run_dir, own.run_dir, clicked.run_dir]   # three runs, not four
+    assert panel.runs == [first.run_dir, own.run_dir, clicked.run_dir]   # three runs
+
+    assert panel.run(steps=0.5) is None           # bad input after a run: wait() must not
+    with pytest.raises(BadInput, match="steps"):  # hand back the earlier run's result
+        panel.wait()
 
 
 # -- in a real kernel (nbclient) ------------------------------------------------------------
