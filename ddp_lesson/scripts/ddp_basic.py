@@ -31,7 +31,9 @@ def parse_args():
 
 def evaluate(model, test_set, rank, world_size, device):
     # DDP: a plain split rank::world_size counts every test sample exactly once. A
-    # DistributedSampler would pad the last shard with duplicates to equal lengths.
+    # DistributedSampler would pad the last shard with duplicates to equal lengths. model(x) is
+    # DDP's forward: only its first call after training broadcasts rank 0's buffers (notebook
+    # 03b, section 2), once on every rank, so uneven shards are fine while every rank has a batch.
     shard = Subset(test_set, range(rank, len(test_set), world_size))
     model.eval()
     counts = torch.zeros(2, device=device)  # [correct, seen] on this rank

@@ -1,4 +1,4 @@
-"""Hello, DDP: every rank says who it is, then the ranks add up their numbers with all_reduce.
+"""Hello, torch.distributed: every rank says who it is, then the ranks add up their numbers with all_reduce.
 
     torchrun --standalone --nproc-per-node 2 hello_ddp.py
 """
