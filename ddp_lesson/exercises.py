@@ -155,8 +155,6 @@ def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=Fa
     (the hook's all-reduce is async_op=False), waiting=True (async_op=True, then .wait() in
     the hook): either way backward stalls on the network; late=True (async, but every
     bucket held back until the whole model's last gradient: stage (b)'s timing, no overlap)."""
-    from pathlib import Path
-
     from .lesson import SCRIPTS
     text = Path(starter or SCRIPTS / "bucketed_exercise.py").read_text()
     head = text[:text.index("    def hook(self, p):")]

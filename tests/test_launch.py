@@ -198,7 +198,7 @@ def test_stop_ends_every_process_within_10_s(tmp_run_dir, args):
 
 
 @pytest.mark.timeout(90)
-def test_interrupt_during_wait_stops_the_run(tmp_run_dir):
+def test_interrupt_during_wait_stops_the_run(tmp_run_dir, kernel_sigint):
     """A notebook's Interrupt button raises KeyboardInterrupt in the kernel's main thread."""
     run = launch.start(SCRIPTS / "sleeper.py", nproc=2, run_dir=tmp_run_dir)
     seen = {}
@@ -210,9 +210,8 @@ def test_interrupt_during_wait_stops_the_run(tmp_run_dir):
             os.kill(os.getpid(), signal.SIGINT)
 
     t = threading.Thread(target=interrupter, daemon=True)
-    # A kernel's Interrupt raises KeyboardInterrupt whatever pytest inherited: a background
-    # job of a non-interactive shell starts with SIGINT ignored, so Python's handler is set here.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # kernel_sigint: a kernel's Interrupt raises KeyboardInterrupt whatever pytest inherited
+    # (a background job of a non-interactive shell starts with SIGINT ignored)
     t.start()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -221,7 +220,6 @@ def test_interrupt_during_wait_stops_the_run(tmp_run_dir):
         gone = wait_until(lambda: all_gone(seen["pids"]), max(0.0, 10 - elapsed))
         elapsed = time.monotonic() - seen["t0"]
     finally:
-        signal.signal(signal.SIGINT, previous)
         run.stop()
     print(f"KeyboardInterrupt in wait(): every process gone after {elapsed:.2f} s")
     assert gone and elapsed < 10

@@ -36,16 +36,15 @@ def leaves_nothing(run_dir, timeout=10):
 
 
 @pytest.mark.timeout(300)
-def test_twenty_interrupts_leave_nothing(tmp_path):
+def test_twenty_interrupts_leave_nothing(tmp_path, kernel_sigint):
     script = tmp_path / "tiny.py"
     script.write_text(TINY)
     rnd = random.Random(10)
     main = threading.main_thread().ident
     cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, one_core())
-    # a kernel's Interrupt raises KeyboardInterrupt whatever this process inherited (a
-    # background job starts with SIGINT ignored, and then no interrupt would land at all)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # kernel_sigint: a kernel's Interrupt raises KeyboardInterrupt whatever this process
+    # inherited (a background job starts with SIGINT ignored: then no interrupt would land)
     left, landed = [], 0
     try:
         for i in range(20):
@@ -78,7 +77,6 @@ def test_twenty_interrupts_leave_nothing(tmp_path):
                 left.append((i, delay, [p.pid for p in processes_under(run_dir)]))
     finally:
         os.sched_setaffinity(0, cores)
-        signal.signal(signal.SIGINT, previous)
     assert landed == 20, f"only {landed} of 20 interrupts landed"
     assert not left, f"processes left 10 s after an interrupt: {left}"
 
