@@ -7,6 +7,8 @@ auto: bf16 on CPU ranks; fp16 with a GradScaler on GPUs. Per optimizer step:
 (--precision fp16 runs the GradScaler on CPU ranks too.) Every rank all-gathers a fingerprint
 of its clipped gradient: equal on all ranks, because clipping runs after the all-reduce on
 the same averaged gradient. Writes amp.json.
+--then SCRIPT ARGS runs a later section's script after this one, in the same ranks
+(ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
 """
 import argparse
 import contextlib
@@ -18,10 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson import chain, data, metrics, models
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps")
@@ -29,7 +31,8 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=16, help="per micro-batch, per process")
     p.add_argument("--max-norm", type=float, default=0.5, help="clip the gradient norm to this")
     p.add_argument("--lr", type=float, default=0.05)
-    return p.parse_args()
+    chain.add_then(p)
+    return p.parse_args(argv)
 
 
 def fingerprint(model):
@@ -44,11 +47,18 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    run(args, device)
+    chain.then(args.then, device)        # --then: later sections' scripts, in these same ranks
+    dist.destroy_process_group()
 
+
+def run(args, device):
+    """This section's run, in a process group already started; rank 0 writes amp.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    use_cuda = device.type == "cuda"
     precision = args.precision
     if precision == "auto":
         precision = "fp16" if use_cuda else "bf16"
@@ -58,7 +68,7 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     torch.manual_seed(0)
-    model = DDP(models.SmallCNN(norm=False).to(device), device_ids=[local_rank] if use_cuda else None)
+    model = DDP(models.SmallCNN(norm=False).to(device), device_ids=[device.index] if use_cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     k, b = args.accum_steps, args.batch_size
     x_all, y_all = data.shapes(args.steps * k * b * world, seed=7).tensors
@@ -97,7 +107,6 @@ def main():
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "amp.json"), "w") as f:
             json.dump(out, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ What is counted: the graphs Dynamo hands the backend, one per call of the backen
    compiled piece's backward hands over all its gradients at once. --backend inductor on CPU
    needs a C++ compiler and says so without one.
 Writes compile.json.
+--then SCRIPT ARGS runs a later section's script after this one, in the same ranks
+(ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
 """
 import argparse
 import copy
@@ -41,10 +43,10 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data
+from ddp_lesson import chain, data
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16, help="per process")
@@ -52,7 +54,8 @@ def parse_args():
     p.add_argument("--backend", choices=["auto", "inductor", "aot_eager", "eager"], default="auto")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="DDP's bucket size (>= 1: "
                    "the DDPOptimizer wants the first bucket, 1 MB, to be no larger than the rest)")
-    return p.parse_args()
+    chain.add_then(p)
+    return p.parse_args(argv)
 
 
 class MLP(nn.Module):
@@ -138,11 +141,19 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    ids = [local_rank] if use_cuda else None
+    run(args, device)
+    chain.then(args.then, device)        # --then: later sections' scripts, in these same ranks
+    dist.destroy_process_group()
+
+
+def run(args, device):
+    """This section's runs, in a process group already started; rank 0 writes compile.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    use_cuda = device.type == "cuda"
+    ids = [device.index] if use_cuda else None
     b = args.batch_size
     x_all, y_all = data.shapes(args.steps * b * world, seed=13).tensors
     x0, y0 = x_all[:b].to(device), y_all[:b].to(device)
@@ -227,7 +238,6 @@ def main():
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compile.json"), "w") as f:
             json.dump(out, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Trains the same model from the same start on the same data three times: DDP's de
 counts the bytes of the tensors it hands to dist.all_reduce, and on gloo the bytes this
 process really wrote to its sockets during backward (/proc/self/io), where DDP's all-reduces
 run and finish. Writes compress.json.
+--then SCRIPT ARGS runs a later section's script after this one, in the same ranks
+(ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
 """
 import argparse
 import copy
@@ -18,19 +20,20 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson import chain, data, metrics, models
 
 HOOKS = {"fp32": default_hooks.allreduce_hook,          # what DDP does without a hook
          "fp16": default_hooks.fp16_compress_hook,      # cast to fp16, divide by N, all-reduce, cast back
          "bf16": default_hooks.bf16_compress_hook}
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32, help="per process")
     p.add_argument("--lr", type=float, default=0.05)
-    return p.parse_args()
+    chain.add_then(p)
+    return p.parse_args(argv)
 
 
 class Counted:
@@ -69,10 +72,18 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    run(args, device)
+    chain.then(args.then, device)        # --then: later sections' scripts, in these same ranks
+    dist.destroy_process_group()
+
+
+def run(args, device):
+    """This section's runs, in a process group already started; rank 0 writes compress.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    use_cuda = device.type == "cuda"
 
     b = args.batch_size
     x_all, y_all = data.shapes(args.steps * b * world, seed=11).tensors
@@ -82,7 +93,7 @@ def main():
            "gradient_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "runs": {}}
     weights = {}
     for name, hook in HOOKS.items():
-        model = DDP(copy.deepcopy(base).to(device), device_ids=[local_rank] if use_cuda else None)
+        model = DDP(copy.deepcopy(base).to(device), device_ids=[device.index] if use_cuda else None)
         state = Counted(hook)
         model.register_comm_hook(state, counting_hook)   # DDP calls it once per gradient bucket
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -110,7 +121,6 @@ def main():
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compress.json"), "w") as f:
             json.dump(out, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

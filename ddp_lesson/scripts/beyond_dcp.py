@@ -6,6 +6,8 @@ An FSDP2 model holds 1/N of every parameter per rank. Saving it the lesson-03 wa
 calls torch.save) would keep only rank 0's shards. dcp.save has every rank write its own
 shards plus one metadata file that says where each piece of each tensor lives, so dcp.load
 can re-cut the pieces for any number of ranks. Writes dcp_save.json / dcp_load.json.
+The notebook runs the save as the end of one launch (... --then beyond_dcp --save DIR, see
+ddp_lesson/chain.py) after sections 1-4's scripts, in the same ranks.
 """
 import argparse
 import json
@@ -24,13 +26,13 @@ from torch.distributed.fsdp import fully_shard
 from ddp_lesson import data
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--save", metavar="DIR", help="train a few steps, then save a sharded checkpoint")
     g.add_argument("--load", metavar="DIR", help="load the checkpoint in DIR at this world size")
     p.add_argument("--steps", type=int, default=3)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def sharded_model(mesh, seed):
@@ -60,10 +62,16 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(local_rank)
-    mesh = init_device_mesh("cuda" if use_cuda else "cpu", (world,))
+    run(args, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu"))
+    dist.destroy_process_group()
+
+
+def run(args, device):
+    """Save or load, in a process group already started; rank 0 writes dcp_save.json / dcp_load.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
     run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
 
     if args.save:
@@ -114,7 +122,6 @@ def main():
                    "local_shapes": {k: list(v.to_local().shape) for k, v in model.state_dict().items()}}
             with open(os.path.join(run_dir, "dcp_load.json"), "w") as f:
                 json.dump(out, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

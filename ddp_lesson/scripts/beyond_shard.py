@@ -16,6 +16,8 @@ Trains one model from the same start on the same global batches four ways, with 
 Per rank it counts the bytes the formulas predict, the bytes the tensors really hold (DDP's
 buckets found by a comm hook), and, on gloo, the bytes each rank wrote to its sockets per
 step (/proc/self/io). Writes shard.json.
+--then SCRIPT ARGS runs a later section's script after this one, in the same ranks
+(ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
 """
 import argparse
 import copy
@@ -32,16 +34,17 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data
+from ddp_lesson import chain, data
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16, help="per process")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=6, help="hidden layers of the same size")
-    return p.parse_args()
+    chain.add_then(p)
+    return p.parse_args(argv)
 
 
 def mlp(hidden, layers):
@@ -124,11 +127,19 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    ids = [local_rank] if use_cuda else None
+    run(args, device)
+    chain.then(args.then, device)        # --then: later sections' scripts, in these same ranks
+    dist.destroy_process_group()
+
+
+def run(args, device):
+    """This section's runs, in a process group already started; rank 0 writes shard.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    use_cuda = device.type == "cuda"
+    ids = [device.index] if use_cuda else None
 
     b = args.batch_size
     x_all, y_all = data.shapes(args.steps * b * world, seed=17).tensors
@@ -193,7 +204,6 @@ def main():
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "shard.json"), "w") as f:
             json.dump(out, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
