@@ -1,7 +1,8 @@
-"""Notebook 10's sharding and checkpoint checks at a world size the notebook does not run (it
-runs at DDP_LESSON_NPROC, 2 in CI): 3 gloo CPU ranks, real torchrun runs through
-ddp_lesson.launch, the smallest that can fail (2 steps). The sharding run and the checkpoint
-save start together; the checkpoint is then loaded at 1 rank (the notebook loads at N + 1).
+"""Notebook 10's compile, sharding and checkpoint checks at a world size the notebook does not
+run (it runs at DDP_LESSON_NPROC, 2 in CI): 3 gloo CPU ranks, a real torchrun launch through
+ddp_lesson.launch, the smallest runs that can fail (2-3 steps). As in the notebook, one launch
+runs the three scripts in turn in the same ranks (--then, ddp_lesson/chain.py): compile, shard,
+then the DCP save; the checkpoint is then loaded at 1 rank (the notebook loads at N + 1).
 
 torch.compile's graph split (cell 10-13) is mirrored here at 3 ranks in a short run (3 steps):
 the graphs handed to aot_eager, AOTAutograd's forward and backward graphs, DDP's rebuilt
@@ -32,25 +33,16 @@ def finished(run, filename):
 def launched(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs10")
     ckpt = base / "ckpt"
-    started = {
-        "shard": launch.start(SCRIPTS / "beyond_shard.py", cpu=True, nproc=WORLD, args=["--steps", STEPS],
-                              run_dir=base / "shard", timeout=300),
-        "save": launch.start(SCRIPTS / "beyond_dcp.py", cpu=True, nproc=WORLD,
-                             args=["--save", str(ckpt), "--steps", STEPS], run_dir=base / "save", timeout=300),
-        "compile": launch.start(SCRIPTS / "beyond_compile.py", cpu=True, nproc=WORLD, args=["--steps", 3],
-                                run_dir=base / "compile", timeout=600),
-    }
-    for run in list(started.values()):
-        run.wait()          # all ended before any test: the leftover-process check runs per test
-    started["ckpt"] = ckpt
-    yield started
-    for run in started.values():
-        if hasattr(run, "stop"):
-            run.stop()
+    run = launch.start(SCRIPTS / "beyond_compile.py", cpu=True, nproc=WORLD, run_dir=base / "chain", timeout=600,
+                       args=["--steps", 3, "--then", "beyond_shard", "--steps", STEPS,
+                             "--then", "beyond_dcp", "--save", ckpt, "--steps", STEPS])
+    run.wait()              # ended before any test: the leftover-process check runs per test
+    yield {"run": run, "ckpt": ckpt}
+    run.stop()
 
 
 def test_zero_shards_the_optimizer_state_and_trains_like_ddp(launched):
-    v = finished(launched["shard"], "shard.json")
+    v = finished(launched["run"], "shard.json")
     n, p = v["world_size"], v["params"]
     assert n == WORLD
     z = v["zero_state_floats_per_rank"]
@@ -62,7 +54,7 @@ def test_zero_shards_the_optimizer_state_and_trains_like_ddp(launched):
 
 
 def test_fsdp2_shards_parameters_and_matches_ddp(launched):
-    v = finished(launched["shard"], "shard.json")
+    v = finished(launched["run"], "shard.json")
     n, p = v["world_size"], v["params"]
     assert sum(v["fsdp_local_floats_per_rank"]) == p
     for name, (loc, full) in v["fsdp_local_shapes"].items():
@@ -74,7 +66,7 @@ def test_fsdp2_shards_parameters_and_matches_ddp(launched):
 
 
 def test_dcp_checkpoint_saved_at_3_loads_at_1(launched, tmp_path):
-    saved = finished(launched["save"], "dcp_save.json")
+    saved = finished(launched["run"], "dcp_save.json")
     assert saved["world_size"] == WORLD
     assert len([f for f in saved["files"] if f.endswith(".distcp")]) == WORLD   # one file per saving rank
     assert saved["floats_on_rank0"] < saved["floats_total"]                     # rank 0 held a shard only
@@ -90,14 +82,14 @@ def test_dcp_checkpoint_saved_at_3_loads_at_1(launched, tmp_path):
 
 
 def test_ddp_holds_a_bucket_copy_unless_gradients_are_bucket_views(launched):
-    v = finished(launched["shard"], "shard.json")
+    v = finished(launched["run"], "shard.json")
     p = v["params"]
     assert v["held"]["ddp"]["buckets"] == 4 * p and sum(v["held"]["ddp"].values()) == 20 * p
     assert v["held"]["ddp_view"]["buckets"] == 0 and sum(v["held"]["ddp_view"].values()) == 16 * p
 
 
 def test_bytes_sent_zero_is_ddp_plus_broadcasts(launched):
-    v = finished(launched["shard"], "shard.json")
+    v = finished(launched["run"], "shard.json")
     n, p, sent = v["world_size"], v["params"], v["sent_per_step"]
     assert len(sent["ddp"]) == n
     for s in sent["ddp"]:                                       # ring all-reduce of 4P bytes
@@ -108,7 +100,7 @@ def test_bytes_sent_zero_is_ddp_plus_broadcasts(launched):
 
 
 def test_compile_graphs_per_bucket_and_ddp_rebuilt_buckets(launched):
-    v = finished(launched["compile"], "compile.json")
+    v = finished(launched["run"], "compile.json")
     assert v["world_size"] == WORLD and v["backend"] == "aot_eager"
     split, eager, compiled = v["split"], v["ddp_buckets"]["eager"], v["ddp_buckets"]["compiled"]
     assert len(eager) > 1 and split["graphs"] == len(eager)               # one graph per bucket, handed over
