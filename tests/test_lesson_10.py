@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from ddp_lesson import launch
+from ddp_lesson import chain, launch
 from ddp_lesson.lesson import SCRIPTS
 
 WORLD = 3
@@ -112,3 +112,28 @@ def test_compile_graphs_per_bucket_and_ddp_rebuilt_buckets(launched):
     assert outer["graphs"] == outer["ddp_buckets"] == split["graphs"] and outer["ops_per_graph"] == split["ops_per_graph"]
     assert v["compile_of_ddp_sequential"]["graphs"] == 0
     assert v["max_loss_diff"] < 1e-4 and v["max_weight_diff"] < 1e-4
+
+
+def test_chain_hands_each_script_its_own_arguments(tmp_path, monkeypatch):
+    # What the one launch above and the notebook's rest on, in one process: each script parses
+    # only the arguments up to the next --then; a script without --then ends the chain.
+    body = '''import argparse
+from ddp_lesson import chain
+seen = []
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int)
+    {then}
+    return p.parse_args(argv)
+def run(args, device):
+    seen.append((args.steps, device))
+'''
+    for name, then in (("chain10_a", "chain.add_then(p)"), ("chain10_b", "chain.add_then(p)"), ("chain10_c", "")):
+        (tmp_path / f"{name}.py").write_text(body.format(then=then))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    chain.then(["chain10_a", "--steps", "1", "--then", "chain10_b", "--steps", "2",
+                "--then", "chain10_c", "--steps", "3"], "cpu")
+    import chain10_a, chain10_b, chain10_c
+    assert (chain10_a.seen, chain10_b.seen, chain10_c.seen) == ([(1, "cpu")], [(2, "cpu")], [(3, "cpu")])
+    with pytest.raises(SystemExit):        # the last script has no --then: argparse refuses one
+        chain.then(["chain10_c", "--steps", "3", "--then", "chain10_a"], "cpu")
