@@ -140,6 +140,8 @@ def run(args, device):
     rank, world = dist.get_rank(), dist.get_world_size()
     use_cuda = device.type == "cuda"
     ids = [device.index] if use_cuda else None
+    if use_cuda:
+        torch.cuda.reset_peak_memory_stats()   # this section's peak, not a chained script's before it
 
     b = args.batch_size
     x_all, y_all = data.shapes(args.steps * b * world, seed=17).tensors
