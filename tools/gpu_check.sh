@@ -98,7 +98,7 @@ EOF
 step doctor 180 "$PY" -m ddp_lesson doctor
 step demo 300 "$PY" -m ddp_lesson demo --gpus "$FIRST" --epochs 1 --run-dir "$WORK/demo"
 step nccl_all_reduce 180 "$PY" -m ddp_lesson run ddp_lesson/scripts/nccl_check.py --gpus "$IDS" --run-dir "$WORK/nccl"
-step syncbn_stats 180 "$PY" -m ddp_lesson run ddp_lesson/scripts/syncbn_stats.py --gpus "$IDS" --run-dir "$WORK/syncbn" -- 4
+step syncbn_stats 180 "$PY" -m ddp_lesson run ddp_lesson/scripts/syncbn_stats.py --gpus "$IDS" --run-dir "$WORK/syncbn" -- --batch-size 4
 # PyTorch's SyncBatchNorm (not the CPU stand-in) must have run, and matched BN over the whole batch
 step syncbn_is_pytorchs 30 "$PY" - "$WORK/syncbn/syncbn.json" <<'EOF'
 import json, sys

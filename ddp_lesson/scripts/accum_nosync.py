@@ -5,7 +5,8 @@
 2. In DDP, counted by a communication hook: with no_sync() on all but the last micro-batch,
    one all-reduce per optimizer step (per gradient bucket); without it, k. Same weights.
 3. Time per optimizer step with and without no_sync, side by side.
-Writes accum.json.
+Writes accum.json. Then, in the same launch, the four no_sync placements of the exercise
+script ex_no_sync.py (its rows go to this run's metrics, which the exercise reads).
 """
 import contextlib
 import copy
@@ -103,6 +104,8 @@ def main():
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "accum.json"), "w") as f:
             json.dump(out, f, indent=1)
+    from ex_no_sync import run_placements  # a sibling script: one launch instead of two
+    run_placements(torch.device("cpu"))
     dist.destroy_process_group()
 
 

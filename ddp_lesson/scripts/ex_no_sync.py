@@ -59,22 +59,15 @@ PLACEMENTS = ("no_sync around backward only", "no_sync around forward only",
               "no_sync around forward and backward", "no_sync on the last micro-batch only")
 
 
-@record
-def main():
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-
+def run_placements(device, device_ids=None):
+    """The four placements, each on a fresh DDP model, in the current process group; logs a
+    row per micro-batch. accum_nosync.py calls this too, so notebook 05 needs one launch."""
     train_set = data.shapes(BATCH * K * dist.get_world_size(), seed=0)
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler)
     step = 0
     for placement in PLACEMENTS:
-        model = DDP(models.SmallCNN(width=8, norm=False).to(device),
-                    device_ids=[local_rank] if use_cuda else None)  # DDP
+        model = DDP(models.SmallCNN(width=8, norm=False).to(device), device_ids=device_ids)  # DDP
         count = Count()
         model.register_comm_hook(count, counting_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -86,6 +79,17 @@ def main():
                         all_reduces=count.calls - before)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+@record
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    run_placements(device, [local_rank] if use_cuda else None)
     dist.destroy_process_group()  # DDP
 
 

@@ -5,11 +5,17 @@ as the reference, the whole batch through a plain BatchNorm2d. Also times a DDP 
 step of SmallCNN with BatchNorm vs SyncBatchNorm, side by side. Writes syncbn.json.
 On GPUs this is PyTorch's nn.SyncBatchNorm over nccl; on CPU ranks (gloo) the course's
 stand-in, ddp_lesson.syncbn, because nn.SyncBatchNorm refuses CPU tensors.
+
+Then, in the same launch (one launch instead of three), the two runs notebook 04 compares
+with ddp_syncbn.py --sync-bn, trained as ddp_syncbn.py trains (data, order, seeds, optimizer,
+evaluation) with plain BatchNorm: one process on the global batch of b x world (rank 0 alone,
+the other ranks wait), then DDP on every rank with b each. Writes reference_runs.json.
+    torchrun --standalone --nproc-per-node 2 syncbn_stats.py --batch-size 4 --epochs 2
 """
+import argparse
 import copy
 import json
 import os
-import sys
 import time
 
 import torch
@@ -17,10 +23,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
 
 from ddp_lesson import data, models, syncbn
 
-B = int(sys.argv[1]) if len(sys.argv) > 1 else 4  # per-rank batch
+
+def parse_args():  # the names of ddp_syncbn.py's options, so one dict drives both
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-size", type=int, default=4, help="per rank: b")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--train-samples", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
 
 
 def step_ms(model, x, y, steps=5):
@@ -50,7 +66,59 @@ def to_sync_bn(module, device):
     return syncbn.convert_sync_batchnorm(module)
 
 
+def train(model, train_set, sampler, batch, args, device, accuracy):
+    """ddp_syncbn.py's training loop (without its logging): the loss of every step, the test
+    accuracy after every epoch."""
+    loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    losses, accuracies = [], []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        accuracies.append(accuracy(model))
+    return {"loss": losses, "test_accuracy": accuracies}
+
+
+def reference_runs(args, rank, world, device, ids):
+    """Section 3's two reference runs (the module's docstring); only rank 0's result has both."""
+    from ddp_syncbn import evaluate  # the lesson script's own evaluation (scripts/ is on sys.path)
+
+    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
+    test_set = data.shapes_split(train=False)
+    out = {}
+    if rank == 0:  # one process, batch b x world: no DDP, no process group in its evaluation
+        torch.manual_seed(args.seed)  # ddp_syncbn.py's rank 0 seed: the same initial weights
+        model = models.SmallCNN().to(device)
+        sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
+        x_test, y_test = (t.to(device) for t in test_set.tensors)
+
+        def accuracy(m):
+            m.eval()
+            with torch.no_grad():
+                acc = (m(x_test).argmax(1) == y_test).float().mean().item()
+            m.train()
+            return acc
+        out["1 process"] = train(model, train_set, sampler, args.batch_size * world, args, device, accuracy)
+    dist.barrier()  # the other ranks waited
+    torch.manual_seed(args.seed + rank)  # as ddp_syncbn.py: DDP(...) makes the weights equal
+    model = DDP(models.SmallCNN().to(device), device_ids=ids)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    run = train(model, train_set, sampler, args.batch_size, args, device,
+                lambda m: evaluate(m, test_set, rank, world, device)[0])
+    losses = torch.tensor(run["loss"], device=device)
+    dist.all_reduce(losses)  # the mean over ranks of each step's loss
+    out["DDP, BN"] = {"loss": (losses / world).tolist(), "test_accuracy": run["test_accuracy"]}
+    return out
+
+
 def main():
+    args = parse_args()
+    B = args.batch_size  # per rank
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,9 +172,15 @@ def main():
 
     results = [None] * world
     dist.all_gather_object(results, result)
+    run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
     if rank == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "syncbn.json"), "w") as f:
+        with open(os.path.join(run_dir, "syncbn.json"), "w") as f:
             json.dump(results, f, indent=1)
+
+    ref = reference_runs(args, rank, world, device, ids)
+    if rank == 0:
+        with open(os.path.join(run_dir, "reference_runs.json"), "w") as f:
+            json.dump({"world_size": world, "per_rank_batch": B, "args": vars(args), "runs": ref}, f, indent=1)
     dist.destroy_process_group()
 
 
