@@ -190,9 +190,10 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path, tmp_run_dir, args):
 def test_rank_that_never_joins_the_collective_times_out(tmp_path):
     # The timeout counts from the start, and the ranks must reach the hang before it ends for
     # the message to name the collective: on a busy machine starting them (import torch) took
-    # over 8 s, so the first try allows 20 s, and if the ranks still were not in the group it
-    # runs again with twice the timeout (the bounds scale with it). A waiting rank costs no CPU.
-    for timeout in (20, 40):
+    # over 8 s, and at load ~17 over 20 s, so the first try allows 30 s, and if the ranks still
+    # were not in the group it runs again with twice the timeout (the bounds scale with it).
+    # Each try is a launch (~10 CPU-s); the waiting is idle.
+    for timeout in (30, 60):
         run_dir = tmp_path / f"run{timeout}"
         t0 = time.monotonic()
         out = run_cli(["run", SCRIPTS / "hang.py", "--timeout", timeout, "--run-dir", run_dir],
