@@ -16,7 +16,8 @@ EXPECT = {"world_roundtrip.py": ("ratio: world start / script launch",
                                  "ratio: script launch / cell round trip")}
 # a bench's smallest run: every line of it still runs, on less data or fewer ranks
 SMALLEST = {"scaling.py": ("--samples", "1024"),   # 16 steps at 1 rank, 8 a rank at 2
-            "world_roundtrip.py": ("--nproc", "1")}
+            "world_roundtrip.py": ("--nproc", "1"),
+            "ddp_speedup.py": ("--global-batch", "128")}   # 64 a rank
 BENCHES = sorted(p for p in (REPO / "bench").glob("*.py") if "--quick" in p.read_text())
 
 
