@@ -5,7 +5,7 @@ A B B A (twice) so that a drift in machine load hits both alike. Prints the thro
 
     python bench/panel_overhead.py            # 2 epochs, A B B A A B B A
     python bench/panel_overhead.py --quick    # 1 epoch, A B (for CI)
-    python bench/panel_overhead.py --timing [--steps 1500] [--nproc 2] [--quick]
+    python bench/panel_overhead.py --timing [--steps 1500] [--warmup 10] [--nproc 2] [--quick]
 
 Throughput is the samples/s the script logs per epoch (summed over ranks), which leaves
 out process start-up; the wall time of each run is printed too. On a shared machine both
@@ -65,7 +65,7 @@ def panel_run(args, base):
 ROUNDS = 6  # --timing: the steps are split over this many rounds, each with fresh copies
 
 
-def timing_worker(steps):
+def timing_worker(steps, warmup=10):
     """One rank of --timing: train_ddp.py's step, three copies, taken in turn."""
     import os
 
@@ -124,8 +124,8 @@ def timing_worker(steps):
         order = names[r % 3:] + names[:r % 3]  # tensors land in memory must not favour one
         copies = {name: Copy(name == "B") for name in order}
         turns = list(itertools.permutations(copies.values()))
-        for n in range(10 + steps // ROUNDS):  # the first 10 turns warm up and are not counted
-            if n == 10:
+        for n in range(warmup + steps // ROUNDS):  # the first `warmup` turns are not counted
+            if n == warmup:
                 for c in copies.values():
                     c.times.clear()
             for c in turns[n % len(turns)]:
@@ -145,12 +145,12 @@ def ratio_line(base, other, blocks=ROUNDS):
     return whole, f"{whole:.3f} ({blocks} rounds of {size} steps: {min(parts):.3f}-{max(parts):.3f})"
 
 
-def timing(steps, nproc=2):
+def timing(steps, nproc=2, warmup=10):
     print(f"step-time overhead: train_ddp.py's step on {nproc} rank(s), {steps} steps each of A and A2 "
           f"(no timer) and B (StepTimer), taken in turn in one launch", flush=True)
     base = tempfile.mkdtemp(prefix="timing-bench-")
     try:
-        run = launch.start(Path(__file__), nproc=nproc, args=["--timing-worker", str(steps)],
+        run = launch.start(Path(__file__), nproc=nproc, args=["--timing-worker", str(steps), str(warmup)],
                            run_dir=Path(base) / "run", env={"OMP_NUM_THREADS": 1}, timeout=900)
         result = run.wait()
         if result["status"] != "ok":
@@ -190,16 +190,17 @@ def redraw_ms(points=10_000, repeats=5):
 
 def main():
     if sys.argv[1:2] == ["--timing-worker"]:
-        return timing_worker(int(sys.argv[2]))
+        return timing_worker(int(sys.argv[2]), int(sys.argv[3]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 epoch, one pair of runs (--timing: 150 steps)")
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--timing", action="store_true", help="instead: what the step-time fields cost")
     ap.add_argument("--steps", type=int, default=None, help="--timing: steps of each copy (1500)")
     ap.add_argument("--nproc", type=int, default=2, help="--timing: ranks (one per GPU where there are GPUs)")
+    ap.add_argument("--warmup", type=int, default=10, help="--timing: turns per round not counted (10)")
     opts = ap.parse_args()
     if opts.timing:
-        return timing(opts.steps or (150 if opts.quick else 1500), opts.nproc)
+        return timing(opts.steps or (150 if opts.quick else 1500), opts.nproc, opts.warmup)
     epochs = opts.epochs or (1 if opts.quick else 2)
     order = "AB" if opts.quick else "ABBAABBA"
     args = ["--epochs", str(epochs)]

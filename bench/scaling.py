@@ -1,7 +1,7 @@
 """Speed-up and efficiency vs number of ranks, with the time of a step split into compute
 and all-reduce, and a two-term model that predicts the speed-up; all measured in one run.
 
-    python bench/scaling.py [--nprocs 1,2,4] [--quick] [--cpu]
+    python bench/scaling.py [--nprocs 1,2,4] [--quick] [--samples N] [--cpu]
 
 One launch per rank count; what is measured and the model are described in
 ddp_lesson.scaling (notebook 06 uses the same code).
@@ -16,13 +16,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nprocs", help="comma-separated rank counts (default 1,2,4 on CPU, powers of 2 up to the GPUs)")
     p.add_argument("--quick", action="store_true", help="small epoch (CI)")
+    p.add_argument("--samples", type=int, help="training samples in the epoch (default 32768, --quick 8192)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks on gloo even where GPUs exist")
     a = p.parse_args(argv)
     t = time.perf_counter()
     nprocs = [int(x) for x in a.nprocs.split(",")] if a.nprocs else None
     if a.quick and not nprocs:
         nprocs = [1, 2]
-    rows = scaling.measure(nprocs, quick=a.quick, cpu=a.cpu)
+    rows = scaling.measure(nprocs, quick=a.quick, cpu=a.cpu, samples=a.samples)
     scaling.report(rows)
     print(f"{time.perf_counter() - t:.1f} s in all (timings on a shared machine are noisy)")
 

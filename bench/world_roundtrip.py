@@ -57,13 +57,14 @@ def fmt(xs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
+    p.add_argument("--nproc", type=int, help="CPU ranks (default 4, --quick 2)")
     p.add_argument("--repeat", type=int, default=3, help="launches and worlds, alternated (default 3)")
     p.add_argument("--cells", type=int, default=30, help="round trips per world (default 30)")
     p.add_argument("--quick", action="store_true", help="2 ranks, 1 launch and 1 world, 10 round trips (CI)")
     a = p.parse_args()
     if a.quick:
-        a.nproc, a.repeat, a.cells = 2, 1, 10
+        a.repeat, a.cells = 1, 10
+    a.nproc = a.nproc or (2 if a.quick else 4)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("DDP_LESSON_RUNS", tmp)  # run directories are throwaway here
         launches, starts, stops, trips = [], [], [], []

@@ -189,17 +189,21 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path, tmp_run_dir, args):
 @pytest.mark.timeout(400)
 def test_rank_that_never_joins_the_collective_times_out(tmp_path):
     # The timeout counts from the start, and the ranks must reach the hang before it ends for
-    # the message to name the collective: on a busy machine starting them can take longer than
-    # 8 s, so then it runs again with twice the timeout (the bounds scale with it).
-    for timeout in (8, 16, 32):
+    # the message to name the collective: on a busy machine starting them (import torch) took
+    # over 8 s, and at load ~17 over 20 s, so the first try allows 30 s, and if the ranks still
+    # were not in the group it runs again with twice the timeout (the bounds scale with it).
+    # Each try is a launch (~10 CPU-s); the waiting is idle.
+    for timeout in (30, 60):
         run_dir = tmp_path / f"run{timeout}"
         t0 = time.monotonic()
         out = run_cli(["run", SCRIPTS / "hang.py", "--timeout", timeout, "--run-dir", run_dir],
                       cwd=tmp_path, timeout=timeout + 80)
         elapsed = time.monotonic() - t0
         print(f"hang with --timeout {timeout}: command exited after {elapsed:.1f} s")
-        rank0 = run_dir / "logs" / "rank0.stdout.log"  # absent if rank 0 never started
-        if rank0.exists() and "waiting in the second all_reduce" in rank0.read_text():
+        # tests/scripts/hang.py prints "ready rank N" once in the group, then rank 0 waits in
+        # the all_reduce; a log is absent if its rank never started
+        logs = [run_dir / "logs" / f"rank{r}.stdout.log" for r in (0, 1)]
+        if all(log.exists() and "ready rank" in log.read_text() for log in logs):
             break
     assert out.returncode == 1, out.stderr
     result = json.loads((run_dir / "result.json").read_text())

@@ -143,49 +143,54 @@ def listening_ports():
             if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"}
 
 
-def test_silent_peer_cannot_hang_start(runs_base):
+@pytest.fixture(scope="module")
+def peer_world(runs_base):
+    """A world started while silent peers sat on its listener (section 3); section 4 then
+    races a Stop with its restart, so the module pays for one such world, not two."""
     before = listening_ports()
-    peers, box = [], {}
+    box = {"peers": []}
 
     def start():
         box["world"] = world_mod.start(cpu=True, timeout=60)
-        return box["world"]
 
     thread = threading.Thread(target=start, daemon=True)
     t = time.monotonic()
     thread.start()
-    port = wait_until(lambda: (listening_ports() - before) or None, timeout=30, interval=0.005)
-    assert port, "the world's listener never appeared"
-    port = port.pop()
-    for send in (b"", b"\x00", b"\x00\x00\x00\x20" + b"a" * 8):  # silent, 1 byte, half a message
-        peer = socket.create_connection(("127.0.0.1", port))
-        peer.sendall(send)
-        peers.append(peer)
     try:
+        port = wait_until(lambda: (listening_ports() - before) or None, timeout=30, interval=0.005)
+        assert port, "the world's listener never appeared"
+        port = port.pop()
+        for send in (b"", b"\x00", b"\x00\x00\x00\x20" + b"a" * 8):  # silent, 1 byte, half a message
+            peer = socket.create_connection(("127.0.0.1", port))
+            peer.sendall(send)
+            box["peers"].append(peer)
         thread.join(120)
-        took = time.monotonic() - t
-        assert not thread.is_alive(), "start() hung behind a peer that sends nothing"
-        w = box["world"]
-        try:
-            print(f"start took {took:.1f} s with {len(peers)} silent peers")
-            assert [r.value for r in w.run("rank")] == [str(r) for r in range(w.world_size)]
-            # each silent peer is dropped within the handshake deadline
-            for peer in peers:
-                peer.settimeout(world_mod.HANDSHAKE_S + 10)
-                while peer.recv(4096):
-                    pass
-        finally:
-            w.stop()
+        box["took"], box["hung"] = time.monotonic() - t, thread.is_alive()
+        yield box
     finally:
-        for peer in peers:
+        for peer in box["peers"]:
             peer.close()
         thread.join(10)
+        if "world" in box:
+            box["world"].stop()
+
+
+def test_silent_peer_cannot_hang_start(peer_world):
+    assert not peer_world["hung"], "start() hung behind a peer that sends nothing"
+    w, peers = peer_world["world"], peer_world["peers"]
+    print(f"start took {peer_world['took']:.1f} s with {len(peers)} silent peers")
+    assert [r.value for r in w.run("rank")] == [str(r) for r in range(w.world_size)]
+    # each silent peer is dropped within the handshake deadline
+    for peer in peers:
+        peer.settimeout(world_mod.HANDSHAKE_S + 10)
+        while peer.recv(4096):
+            pass
 
 
 # -- 4. Stop during restart ---------------------------------------------------------------
 
-def test_stop_racing_restart_leaves_nothing(runs_base, world):
-    w = world_mod.start(cpu=True, timeout=60)   # its own: the shared `world` must stay up
+def test_stop_racing_restart_leaves_nothing(runs_base, world, peer_world):
+    w = peer_world["world"]   # its own: the shared `world` must stay up
     others = lambda: [d for d in runs_base.iterdir() if d != world.run_dir]  # noqa: E731
     old = w.run_dir
     done = threading.Event()
