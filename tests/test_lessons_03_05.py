@@ -3,7 +3,8 @@
 The notebooks run under nbval at 2 ranks and again at 3 (CI), and assert every claim of
 their check scripts and lesson scripts on those runs, so no test here launches them again:
 - DDP equals one process every step, DDP(...) broadcasts rank 0's weights, set_epoch and
-  disjoint shards (ddp_equivalence.py): 03b cell 03-13;
+  disjoint shards (ddp_equivalence.py): 03b cell 03-13 (03b runs its three check scripts in
+  one launch, checks_03b.py);
 - find_unused_parameters' error (find_unused.py): 03b cell 03-15;
 - the bucket timeline, overlap, buffers, map_location (ddp_checks.py): 03b cells 03b-timeline
   and 03-14b (and tests/test_world_size.py at 3 ranks);
@@ -56,7 +57,7 @@ def test_lesson_scripts_show_every_ddp_line(name):
 
 
 def test_launch_use_env_variant():
-    # notebook 03 (cell 03-20) runs the three launchers at 2 ranks; --use-env is the one it leaves out
+    # notebook 03 runs the three launchers at 2 ranks (started in cell 03-01, read in 03-20); --use-env is the one it leaves out
     variants = SCRIPTS / "launch_variants"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=str(SCRIPTS.parent.parent))

@@ -12,7 +12,8 @@
    its own. A forward under torch.no_grad() turns the next forward's broadcast off.
 3. map_location: a checkpoint rank 0 saved records rank 0's device; loading it with
    map_location=<this rank's device> puts every tensor on this rank's own device.
-Writes ddp_checks.json (one entry per rank) into the run directory.
+Writes ddp_checks.json (one entry per rank) into the run directory (check() does the work;
+notebook 03b runs it with ddp_equivalence.py and find_unused.py in one launch, checks_03b.py).
 """
 import json
 import os
@@ -93,16 +94,8 @@ def map_location(device, rank, run_dir):
     return {"saved_on": sorted(saved_on), "loaded_on": sorted({str(t.device) for t in state.values()})}
 
 
-def main():
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+def check(device, ids, run_dir):
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    ids = [local_rank] if use_cuda else None
-    run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
     result = {
         "rank": rank, "world_size": world, "device": str(device),
         "overlap_small_buckets": overlap(device, ids, bucket_cap_mb=1),
@@ -118,6 +111,16 @@ def main():
     if rank == 0:
         with open(os.path.join(run_dir, "ddp_checks.json"), "w") as f:
             json.dump(results, f, indent=1)
+
+
+def main():
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    check(device, [local_rank] if use_cuda else None, os.environ.get("DDP_LESSON_RUN_DIR", "."))
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """Check (notebook 03b): DDP over N ranks trains exactly like one process on the global batch.
 
-Writes equivalence.json into the run directory:
+Writes equivalence.json into the run directory (check() does the work; notebook 03b runs it
+with ddp_checks.py and find_unused.py in one launch, checks_03b.py):
 - different seeds per rank -> different weights before DDP(...), equal after it;
 - weights allclose to the single-process reference after EVERY step (model without BN);
 - DistributedSampler: without set_epoch every epoch repeats its shuffle, with it they differ.
@@ -30,8 +31,7 @@ def same_on_all_ranks(t):
     return all(torch.equal(gathered[0], g) for g in gathered)
 
 
-def main():
-    dist.init_process_group("gloo")  # a check of the arithmetic: CPU is enough
+def check(run_dir):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1000 + rank)  # each rank starts from different weights
     model = models.SmallCNN(norm=False)  # no BatchNorm: BN statistics are per rank
@@ -90,8 +90,13 @@ def main():
                                and sum(len(set(a) & set(b)) for i, a in enumerate(shards)
                                        for b in shards[i + 1:]) == sampler.total_size - len(dataset),
         }
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "equivalence.json"), "w") as f:
+        with open(os.path.join(run_dir, "equivalence.json"), "w") as f:
             json.dump(verdict, f, indent=1)
+
+
+def main():
+    dist.init_process_group("gloo")  # a check of the arithmetic: CPU is enough
+    check(os.environ.get("DDP_LESSON_RUN_DIR", "."))
     dist.destroy_process_group()
 
 

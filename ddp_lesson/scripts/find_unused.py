@@ -2,7 +2,9 @@
 
 A model with a branch that only some steps use. Without find_unused_parameters=True, DDP
 waits for gradients of the unused branch that never come and fails on the next step; with
-it, DDP walks the autograd graph every step to mark them ready. Writes find_unused.json.
+it, DDP walks the autograd graph every step to mark them ready. Writes find_unused.json
+(check() does the work; notebook 03b runs it after ddp_equivalence.py and ddp_checks.py in
+one launch, checks_03b.py).
 """
 import json
 import os
@@ -41,8 +43,7 @@ def train(ddp, steps, use_extra_every=0):
     return (time.perf_counter() - t0) / steps
 
 
-def main():
-    dist.init_process_group("gloo")
+def check(run_dir):
     torch.manual_seed(0)
     out = {}
     try:  # the branch is unused on step 2: DDP notices on step 3
@@ -62,9 +63,14 @@ def main():
     out["ms_per_step_flag_off"] = min(times["off"])
     out["ms_per_step_flag_on"] = min(times["on"])
     if dist.get_rank() == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "find_unused.json"), "w") as f:
+        with open(os.path.join(run_dir, "find_unused.json"), "w") as f:
             json.dump(out, f, indent=1)
     dist.barrier()
+
+
+def main():
+    dist.init_process_group("gloo")
+    check(os.environ.get("DDP_LESSON_RUN_DIR", "."))
     # The DDP object that failed still waits for the unused gradient; tearing it down can
     # abort the process ("terminate called without an active exception"). Leave without
     # running its destructor: everything this check had to say is written.
