@@ -5,6 +5,7 @@
     work_dir()                                  # ./work: where the scripts you edit live
     run = check("ddp_equivalence")              # a check script on CPU ranks, returns at once
     result = verdict(run, "equivalence.json")   # waits, then reads the JSON it wrote
+    amp = written(run, "amp.json")              # reads it as soon as it is written (a --then chain)
     show_diff("ddp_basic.py", "work/ddp_syncbn.py")
     show(fig)                                   # display a figure once and close it
     ring = load_script("work/ring_allreduce.py")  # a module you edit, loaded afresh
@@ -15,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import launch
+from . import chain, launch
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"   # reference scripts and check scripts
 
@@ -40,6 +41,36 @@ def verdict(run, filename):
     if result["status"] != "ok":
         raise AssertionError(f"{run.config['label']} ended {result['status']}: {result.get('message')}")
     return json.loads((Path(run.run_dir) / filename).read_text())
+
+
+def written(run, filename, poll=0.2):
+    """Wait until the run has written the JSON file `filename` into its run directory and
+    return it, without waiting for the run to end: in a launch that chains several scripts
+    (--then), one script's result is there while later ones still run, whatever becomes of
+    them. A run that ends without writing it raises AssertionError naming the script it failed
+    in and the run's own message. An interrupt stops the run, as in run.wait()."""
+    path = Path(run.run_dir) / filename
+    try:
+        while True:
+            ended = run.done()               # before looking: a file written just before the end counts
+            if path.is_file():
+                try:
+                    return json.loads(path.read_text())
+                except ValueError:           # rank 0 is still writing it
+                    if ended:
+                        raise
+            elif ended:
+                break
+            run.wait_done(poll)
+    except KeyboardInterrupt:
+        run.stop()
+        raise
+    result = run.result
+    scripts = chain.names(run.config)
+    where = chain.failed_in(run.config, result.get("failure"))
+    launch_name = " --then ".join(scripts)
+    raise AssertionError(f"{filename} was not written: the run ({launch_name}) ended {result['status']}"
+                         + (f" in {where}" if where else "") + f": {result.get('message')}")
 
 
 def script_diff(old, new, context=1):

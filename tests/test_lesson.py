@@ -42,3 +42,45 @@ def test_verdict_reads_the_json_or_says_why_the_check_failed(tmp_path, monkeypat
     monkeypatch.setenv("FAIL", "1")
     with pytest.raises(AssertionError, match="vcheck ended failed"):
         lesson.verdict(lesson.check("vcheck"), "v.json")
+
+
+FIRST = """
+import argparse, json, os
+from pathlib import Path
+from ddp_lesson import chain
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    chain.add_then(p)
+    return p.parse_args(argv)
+args = parse_args()
+Path(os.environ["DDP_LESSON_RUN_DIR"], "a.json").write_text(json.dumps({"first": True}))
+chain.then(args.then, "cpu")
+"""
+SECOND = """
+import argparse, os, time
+from pathlib import Path
+def parse_args(argv=None):
+    return argparse.ArgumentParser().parse_args(argv)
+def run(args, device):
+    go = Path(os.environ["DDP_LESSON_RUN_DIR"], "go")
+    end = time.monotonic() + 120
+    while not go.exists() and time.monotonic() < end:   # until the test has read a.json
+        time.sleep(0.05)
+    raise RuntimeError("the second script failed on purpose")
+"""
+
+
+def test_written_reads_a_file_before_the_run_ends_and_names_the_script_that_failed(tmp_path, monkeypatch):
+    (tmp_path / "wfirst.py").write_text(FIRST)
+    (tmp_path / "wsecond.py").write_text(SECOND)
+    monkeypatch.setattr(lesson, "SCRIPTS", tmp_path)
+    run = lesson.check("wfirst", "--then", "wsecond", nproc=1)
+    try:
+        assert lesson.written(run, "a.json") == {"first": True}
+        assert not run.done()                      # the second script is still waiting for "go"
+        (run.run_dir / "go").touch()
+        with pytest.raises(AssertionError, match=r"b\.json was not written: the run \(wfirst --then wsecond\) "
+                                                 r"ended failed in wsecond: .*failed on purpose"):
+            lesson.written(run, "b.json")
+    finally:
+        run.stop()

@@ -11,8 +11,12 @@ notebook runs them at its own world size: mixed precision with fp16 and a GradSc
 clipped norm == max_norm (cell 10-05), the compress hooks' bytes on the wire and loss (10-09). The ring
 all-reduce's 2(N-1)/N at 3 ranks, which those bytes checks rest on, is checked here on the
 sharding run's DDP bytes (test_bytes_sent_zero_is_ddp_plus_broadcasts)."""
+import ast
+import importlib
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,26 +118,80 @@ def test_compile_graphs_per_bucket_and_ddp_rebuilt_buckets(launched):
     assert v["max_loss_diff"] < 1e-4 and v["max_weight_diff"] < 1e-4
 
 
-def test_chain_hands_each_script_its_own_arguments(tmp_path, monkeypatch):
-    # What the one launch above and the notebook's rest on, in one process: each script parses
-    # only the arguments up to the next --then; a script without --then ends the chain.
-    body = '''import argparse
+CHAIN_BODY = '''import argparse
 from ddp_lesson import chain
-seen = []
+import chain10_log
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int)
     {then}
     return p.parse_args(argv)
 def run(args, device):
-    seen.append((args.steps, device))
+    chain10_log.seen.append((__name__, args.steps, device))
 '''
+
+
+@pytest.fixture
+def chain_modules(tmp_path, monkeypatch):
+    """Three chainable scripts a, b, c (c without --then) that log their runs in one list."""
+    (tmp_path / "chain10_log.py").write_text("seen = []\n")
     for name, then in (("chain10_a", "chain.add_then(p)"), ("chain10_b", "chain.add_then(p)"), ("chain10_c", "")):
-        (tmp_path / f"{name}.py").write_text(body.format(then=then))
+        (tmp_path / f"{name}.py").write_text(CHAIN_BODY.format(then=then))
     monkeypatch.syspath_prepend(str(tmp_path))
-    chain.then(["chain10_a", "--steps", "1", "--then", "chain10_b", "--steps", "2",
-                "--then", "chain10_c", "--steps", "3"], "cpu")
-    import chain10_a, chain10_b, chain10_c
-    assert (chain10_a.seen, chain10_b.seen, chain10_c.seen) == ([(1, "cpu")], [(2, "cpu")], [(3, "cpu")])
-    with pytest.raises(SystemExit):        # the last script has no --then: argparse refuses one
-        chain.then(["chain10_c", "--steps", "3", "--then", "chain10_a"], "cpu")
+    import chain10_a, chain10_log
+    yield chain10_a, chain10_log.seen
+    for name in ("chain10_a", "chain10_b", "chain10_c", "chain10_log"):
+        sys.modules.pop(name, None)
+
+
+def as_main(first, argv):
+    """What a chained script's main() does, without the process group."""
+    args = first.parse_args(argv)
+    first.run(args, "cpu")
+    chain.then(args.then, "cpu")
+
+
+def test_chain_hands_each_script_its_own_arguments_in_order(chain_modules):
+    # What the one launch above and the notebook's rest on, in one process: each script parses
+    # only the arguments up to the next --then, and they run in the order given.
+    first, seen = chain_modules
+    as_main(first, ["--steps", "1", "--then", "chain10_b", "--steps", "2", "--then", "chain10_c", "--steps", "3"])
+    assert seen == [("chain10_a", 1, "cpu"), ("chain10_b", 2, "cpu"), ("chain10_c", 3, "cpu")]
+
+
+@pytest.mark.parametrize("last", [["chain10_c", "--steps", "x"],                 # a bad argument
+                                  ["chain10_c", "--steps", "3", "--then", "chain10_a"],  # c has no --then
+                                  ["chain10_nowhere"]])                          # no such script
+def test_a_bad_last_link_fails_before_the_first_runs(chain_modules, last):
+    first, seen = chain_modules
+    with pytest.raises((SystemExit, ImportError)):
+        as_main(first, ["--steps", "1", "--then", "chain10_b", "--steps", "2", "--then", *last])
+    assert seen == []
+
+
+def first_launch(notebook):
+    """The first code cell's `lesson_run = start(...)` call: its positional arguments, with the
+    ones that are not literals (the checkpoint's path) as "<name>"."""
+    nb = json.loads(notebook.read_text())
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "lesson_run = start(" in src:
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "start":
+                    return [a.value if isinstance(a, ast.Constant) else f"<{ast.unparse(a)}>" for a in node.args]
+    raise AssertionError("no `lesson_run = start(...)` in the notebook")
+
+
+def test_the_notebooks_launch_line_parses_through_every_script(monkeypatch):
+    # The notebook's one launch, parsed as its ranks parse it (no launch): every script, in order.
+    line = first_launch(Path(__file__).resolve().parent.parent / "notebooks" / "10_beyond_ddp.ipynb")
+    assert line[0] == "beyond_amp"
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    first = importlib.import_module("beyond_amp")
+    args = first.parse_args([str(a) for a in line[1:]])
+    names = [m.__name__ for m, _ in args.then]
+    assert names == ["beyond_compress", "beyond_compile", "beyond_shard", "beyond_dcp"]
+    amp, (compress, compile_, shard, dcp) = args, [a for _, a in args.then]
+    assert amp.precision == "fp16" and amp.max_norm == 0.2
+    assert compress.steps == 24 and compile_.steps == 8 and shard.steps == 3
+    assert dcp.save == "<ckpt.resolve()>" and dcp.load is None

@@ -92,7 +92,7 @@ def run(args, device):
         moments = full_moments(model, opt)                # a collective: every rank calls it
         if rank == 0:
             torch.save(moments, os.path.join(args.save, "reference_moments.pt"))
-            out = {"world_size": world, "files": sorted(os.listdir(args.save)),
+            out = {"world_size": world, "steps": args.steps, "files": sorted(os.listdir(args.save)),
                    "floats_total": sum(v.numel() for v in reference.values()),
                    "floats_on_rank0": sum(mine.values())}
             with open(os.path.join(run_dir, "dcp_save.json"), "w") as f:

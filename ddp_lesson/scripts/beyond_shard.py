@@ -140,8 +140,6 @@ def run(args, device):
     rank, world = dist.get_rank(), dist.get_world_size()
     use_cuda = device.type == "cuda"
     ids = [device.index] if use_cuda else None
-    if use_cuda:
-        torch.cuda.reset_peak_memory_stats()   # this section's peak, not a chained script's before it
 
     b = args.batch_size
     x_all, y_all = data.shapes(args.steps * b * world, seed=17).tensors
@@ -201,8 +199,6 @@ def run(args, device):
     out["held_per_rank"] = {k: gather(sum(v.values())) for k, v in out["held"].items()}
     if not use_cuda:                     # nccl's bytes do not go through this process's sockets
         out["sent_per_step"] = {k: gather(v[0]) for k, v in sent.items() if v}
-    if use_cuda:
-        out["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "shard.json"), "w") as f:
             json.dump(out, f, indent=1)
