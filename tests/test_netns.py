@@ -4,8 +4,8 @@ One torchrun agent per namespace meets the other at node0's address. Then the cl
 failure: each machine's own name resolves to a second network the other machine is not on,
 so gloo listens where the other rank cannot connect: node0's rank waits in
 init_process_group until the launcher's timeout (node1's may fail first with gloo's
-"No route to host"), and both messages name GLOO_SOCKET_IFNAME; with
-GLOO_SOCKET_IFNAME=lesson0 the same job runs."""
+"No route to host"), and both messages name GLOO_SOCKET_IFNAME. That with
+GLOO_SOCKET_IFNAME=lesson0 the same job runs is notebook 08's check (section 4a)."""
 import json
 from pathlib import Path
 
@@ -44,13 +44,13 @@ def test_one_network_two_nodes_meet(machines, tmp_path):
     assert "rank 1 of 2 on node1: all_reduce gave 2" in stdout(dirs[1])
 
 
-def test_unreachable_interface_hangs_and_gloo_socket_ifname_fixes_it(machines, tmp_path):
-    port = launch.free_port()
+def test_unreachable_interface_waits_until_the_launchers_timeout(machines, tmp_path):
+    """gloo's own timeout far beyond the launcher's: the ranks wait, as with the default 30 min,
+    until the launcher ends them and says where they waited. (Notebook 08's section 4a runs the
+    same two machines with gloo's own short timeout, both ranks failing with a hint, side by side
+    with the fix, GLOO_SOCKET_IFNAME=lesson0, and asserts its all_reduce: not run again here.)"""
     with machines(side_network=True) as m:
-        # gloo's own timeout far beyond the launcher's: the ranks wait, as with the default 30 min
-        bad = m.run(SCRIPT, tmp_path / "bad", timeout=90, args=["--timeout", "1800"], port=port)
-        fixed = m.run(SCRIPT, tmp_path / "fixed", timeout=240, port=port,
-                      env={"GLOO_SOCKET_IFNAME": multinode.TwoMachines.IFNAME})
+        bad = m.run(SCRIPT, tmp_path / "bad", timeout=90, args=["--timeout", "1800"], port=launch.free_port())
     assert m.exists() == []
     res = results(bad)
     assert "node0: gloo listens on 198.51.100.1" in stdout(bad[0])  # the side network
@@ -63,10 +63,6 @@ def test_unreachable_interface_hangs_and_gloo_socket_ifname_fixes_it(machines, t
     assert res[1]["status"] in ("timeout", "failed"), res[1].get("message")
     for r in res:
         assert "GLOO_SOCKET_IFNAME" in r["message"], r["message"]
-    res = results(fixed)
-    assert [r["status"] for r in res] == ["ok", "ok"], [r.get("message") for r in res]
-    assert "rank 0 of 2 on node0: all_reduce gave 2" in stdout(fixed[0])
-    assert "rank 1 of 2 on node1: all_reduce gave 2" in stdout(fixed[1])
 
 
 def test_hints_name_gloo_socket_ifname():
