@@ -14,7 +14,8 @@ their check scripts and lesson scripts on those runs, so no test here launches t
 - the lesson scripts train, log per rank and save model.pt: ddp_basic.py 03 cells 03-06 and
   03-08, ddp_syncbn.py 04 cell 04-11, ddp_accum.py with a partial window 05 cell 05-07.
 What stays: the scripts' source (small diffs, every DDP line shown), argparse, the one launcher
-variant 03 does not run, the single-process starting script, and the CPU SyncBN stand-in."""
+variant 03 does not run, the single-process starting script, the CPU SyncBN stand-in, and
+syncbn_stats.py's copy of ddp_syncbn.py's loop (at one rank, in one plain process)."""
 import difflib
 import json
 import os
