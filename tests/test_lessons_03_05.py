@@ -14,8 +14,10 @@ their check scripts and lesson scripts on those runs, so no test here launches t
 - the lesson scripts train, log per rank and save model.pt: ddp_basic.py 03 cells 03-06 and
   03-08, ddp_syncbn.py 04 cell 04-11, ddp_accum.py with a partial window 05 cell 05-07.
 What stays: the scripts' source (small diffs, every DDP line shown), argparse, the one launcher
-variant 03 does not run, the single-process starting script, and the CPU SyncBN stand-in."""
+variant 03 does not run, the single-process starting script, the CPU SyncBN stand-in, and
+syncbn_stats.py's copy of ddp_syncbn.py's loop (at one rank, in one plain process)."""
 import difflib
+import json
 import os
 import subprocess
 import sys
@@ -140,3 +142,44 @@ def test_cpu_syncbn_trains_without_running_stats_and_without_a_warning():
             assert torch.allclose(grad, x.grad, atol=1e-4)
     finally:
         dist.destroy_process_group()
+
+
+PIN_SYNCBN_COPY = r"""
+import json, os, sys, tempfile
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import ddp_syncbn, syncbn_stats
+opts = sys.argv[2:]
+sys.argv = ["ddp_syncbn.py", *opts]
+ddp_syncbn.main()                                   # the reference script, one rank, plain BN
+sys.argv = ["syncbn_stats.py", *opts]
+args = syncbn_stats.parse_args()
+store = os.path.join(os.environ["DDP_LESSON_RUN_DIR"], "store")
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+print(json.dumps(syncbn_stats.reference_runs(args, 0, 1, torch.device("cpu"), None)))
+dist.destroy_process_group()
+"""
+
+
+def test_syncbn_stats_reference_runs_copy_ddp_syncbn_loop(tmp_path):
+    # Notebook 04 compares ddp_syncbn.py --sync-bn with two runs of syncbn_stats.train, a copy
+    # of ddp_syncbn.py's loop. One plain process (no torchrun; the notebook runs 2 and 3 ranks):
+    # at one rank all three see the same batches, so a copy with another seed, lr, warm-up,
+    # sampler or evaluation than the reference script differs here, step by step.
+    opts = ["--epochs", "2", "--batch-size", "8", "--lr", "0.07", "--warmup-steps", "3",
+            "--train-samples", "96", "--seed", "3"]
+    env = dict(os.environ, DDP_LESSON_RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="",
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(launch.free_port()), PYTHONPATH=str(SCRIPTS.parent.parent))
+    out = subprocess.run([sys.executable, "-c", PIN_SYNCBN_COPY, str(SCRIPTS), *opts], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    ref = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    loss = [r["loss"] for r in rows if "loss" in r]
+    accuracy = [r["test_accuracy"] for r in rows if "test_accuracy" in r]
+    assert len(loss) == 2 * 96 // 8
+    for name, run in ref.items():
+        assert len(run["loss"]) == len(loss), name
+        assert max(abs(a - b) for a, b in zip(run["loss"], loss)) < 1e-5, name
+        assert run["test_accuracy"] == pytest.approx(accuracy, abs=1e-6), name

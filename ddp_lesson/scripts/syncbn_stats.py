@@ -7,9 +7,11 @@ On GPUs this is PyTorch's nn.SyncBatchNorm over nccl; on CPU ranks (gloo) the co
 stand-in, ddp_lesson.syncbn, because nn.SyncBatchNorm refuses CPU tensors.
 
 Then, in the same launch (one launch instead of three), the two runs notebook 04 compares
-with ddp_syncbn.py --sync-bn, trained as ddp_syncbn.py trains (data, order, seeds, optimizer,
-evaluation) with plain BatchNorm: one process on the global batch of b x world (rank 0 alone,
-the other ranks wait), then DDP on every rank with b each. Writes reference_runs.json.
+with ddp_syncbn.py --sync-bn, with plain BatchNorm: one process on the global batch of
+b x world (rank 0 alone, the other ranks wait), then DDP on every rank with b each. They run
+`train` below, a copy of the training loop of the reference scripts/ddp_syncbn.py (data, order,
+seeds, optimizer, lr warm-up, its `evaluate`), without its step timer, logging and checkpoint:
+an edit to notebook 04's work/ddp_syncbn.py does not reach them. Writes reference_runs.json.
     torchrun --standalone --nproc-per-node 2 syncbn_stats.py --batch-size 4 --epochs 2
 """
 import argparse
@@ -29,12 +31,13 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_lesson import data, models, syncbn
 
 
-def parse_args():  # the names of ddp_syncbn.py's options, so one dict drives both
+def parse_args():  # ddp_syncbn.py's training options and defaults (without --sync-bn)
     p = argparse.ArgumentParser()
-    p.add_argument("--batch-size", type=int, default=4, help="per rank: b")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--train-samples", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank: b")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
+    p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -67,10 +70,12 @@ def to_sync_bn(module, device):
 
 
 def train(model, train_set, sampler, batch, args, device, accuracy):
-    """ddp_syncbn.py's training loop (without its logging): the loss of every step, the test
-    accuracy after every epoch."""
+    """A copy of the reference ddp_syncbn.py's training loop, without its step timer, logging
+    and checkpoint: the loss of every step, the test accuracy after every epoch."""
     loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     losses, accuracies = [], []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -79,6 +84,7 @@ def train(model, train_set, sampler, batch, args, device, accuracy):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            sched.step()
             losses.append(loss.item())
         accuracies.append(accuracy(model))
     return {"loss": losses, "test_accuracy": accuracies}
@@ -86,7 +92,7 @@ def train(model, train_set, sampler, batch, args, device, accuracy):
 
 def reference_runs(args, rank, world, device, ids):
     """Section 3's two reference runs (the module's docstring); only rank 0's result has both."""
-    from ddp_syncbn import evaluate  # the lesson script's own evaluation (scripts/ is on sys.path)
+    from ddp_syncbn import evaluate  # the reference script's evaluation (scripts/ is on sys.path, not work/)
 
     train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
     test_set = data.shapes_split(train=False)
