@@ -28,7 +28,10 @@ class _Then(argparse.Action):
         if not values:
             parser.error("--then needs a script name (and its arguments)")
         name, argv = values[0], values[1:]
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:        # its error names the link (failed_in reads "NAME.py: error:")
+            argparse.ArgumentParser(prog=f"{name}.py").error(f"--then {name}: {e}")
         prog = sys.argv[0]
         sys.argv[0] = f"{name}.py"      # so its argparse errors name it, not the first script
         try:

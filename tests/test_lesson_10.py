@@ -169,6 +169,19 @@ def test_a_bad_last_link_fails_before_the_first_runs(chain_modules, last):
     assert seen == []
 
 
+def test_a_missing_later_link_is_named_in_the_error(chain_modules, capsys):
+    # An import error of a later link is that link's argparse error, so failed_in names it,
+    # not the first script whose parse_args imported it.
+    first, seen = chain_modules
+    argv = ["--steps", "1", "--then", "chain10_b", "--steps", "2", "--then", "chain10_nowhere"]
+    with pytest.raises(SystemExit):
+        first.parse_args(argv)
+    err = capsys.readouterr().err
+    assert "chain10_nowhere.py: error: --then chain10_nowhere: No module named 'chain10_nowhere'" in err
+    config = {"script": "/run/dir/script.py", "args": argv}
+    assert chain.failed_in(config, {"traceback": err}) == "chain10_nowhere"
+
+
 def first_launch(notebook):
     """The first code cell's `lesson_run = start(...)` call: its positional arguments, with the
     ones that are not literals (the checkpoint's path) as "<name>"."""

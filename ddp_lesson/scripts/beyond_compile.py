@@ -55,7 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="DDP's bucket size (>= 1: "
                    "the DDPOptimizer wants the first bucket, 1 MB, to be no larger than the rest)")
     chain.add_then(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.backend == "inductor" and not torch.cuda.is_available() and compiler() is None:
+        p.error("inductor on CPU needs a C++ compiler (g++ or clang++); none was found: use --backend aot_eager")
+    return args
 
 
 class MLP(nn.Module):
@@ -172,11 +175,8 @@ def run(args, device):
         model.register_comm_hook(state, count_buckets)
         return torch.compile(model, backend=backend), state
 
-    cxx = compiler()
+    cxx = compiler()                        # (parse_args refused inductor on CPU without one)
     backend = args.backend if args.backend != "auto" else ("inductor" if use_cuda else "aot_eager")
-    if backend == "inductor" and not use_cuda and cxx is None:
-        raise SystemExit("inductor on CPU needs a C++ compiler (g++ or clang++); none was found: "
-                         "use --backend aot_eager")
     out = {"world_size": world, "bucket_cap_mb": args.bucket_cap_mb, "backend": backend, "cxx": cxx,
            "param_mb": sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20}
 
