@@ -332,10 +332,15 @@ class Run:
             return None
         procs.kill_all(ranks, signal.SIGUSR1)
         # each rank's stack is written by its signal handler; on a busy machine that can take a
-        # while, so wait for every live rank's (up to a few seconds), not a fixed pause
+        # while, so wait for every live rank's whole stack (up to a few seconds), not a fixed
+        # pause: a stack read half written named a frame inside init_process_group as a collective
         nproc, end = self.config.get("nproc", 0), time.monotonic() + 5
+
+        def whole(where):
+            return len(where) >= min(nproc, len(ranks)) and all(w["complete"] for w in where.values())
+
         where = stacks.where(self.run_dir, nproc)
-        while len(where) < min(nproc, len(ranks)) and time.monotonic() < end:
+        while not whole(where) and time.monotonic() < end:
             time.sleep(0.1)
             where = stacks.where(self.run_dir, nproc)
         return where

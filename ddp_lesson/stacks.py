@@ -24,7 +24,8 @@ def _main_frames(text):
 
 
 def where(run_dir, nproc):
-    """{rank: {"state": "collective"|"init"|"busy", "call": name, "at": "script.py line N"}}."""
+    """{rank: {"state": "collective"|"init"|"busy", "call": name, "at": "script.py line N",
+    "complete": whether the dump was whole when read}}."""
     out = {}
     for rank in range(int(nproc or 0)):
         path = Path(run_dir) / "logs" / f"rank{rank}.stack.log"
@@ -34,13 +35,16 @@ def where(run_dir, nproc):
             continue
         if not frames:
             continue
+        # faulthandler writes a stack line by line, so a reader can catch it half written; a
+        # whole main-thread stack reaches the program's top level (a "<module>" frame)
+        complete = any(fn == "<module>" for _, _, fn in frames)
         script = next(((f, n) for f, n, _ in frames if f.endswith("script.py")), None)
         dist = [fn for f, _, fn in frames if "torch/distributed" in f.replace("\\", "/")
                 and fn not in ("wrapper", "inner", "_fn")]  # decorators say nothing
         outer = dist[-1] if dist else None  # the call the script made into torch.distributed
         state = "busy" if not dist else ("init" if any(fn in INIT for fn in dist) else "collective")
         at = f"script.py line {script[1]}" if script else frames[0][0].rsplit("/", 1)[-1]
-        out[rank] = {"state": state, "call": outer, "at": at}
+        out[rank] = {"state": state, "call": outer, "at": at, "complete": complete}
     return out
 
 

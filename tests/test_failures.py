@@ -177,3 +177,32 @@ def test_timeout_hints_on_several_nodes_follow_where_the_ranks_were():
     nobody = failures.after_timeout("stopped", {"nnodes": 2}, {})   # agents still in the rendezvous
     assert "--rdzv-endpoint" in nobody and "GLOO_SOCKET_IFNAME" not in nobody
     assert failures.after_timeout("stopped", {"nnodes": 1}, {}) == "stopped"
+
+
+WHOLE_STACK = """main thread 0x7ff0f9e57b80
+Current thread 0x00007ff0f9e57b80 (most recent call first):
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 669 in _create_gloo_process_group
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 2874 in _new_process_group_helper
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 2553 in init_process_group
+  File "/site-packages/torch/distributed/c10d_logger.py", line 97 in wrapper
+  File "/run/node0/script.py", line 35 in main
+  File "/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 380 in wrapper
+  File "/run/node0/script.py", line 45 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+  File "/repo/ddp_lesson/guard.py", line 289 in <module>
+  File "<frozen runpy>", line 198 in _run_module_as_main
+"""
+
+
+def test_a_stack_read_half_written_is_marked_incomplete(tmp_path):
+    """faulthandler writes line by line: a read that catches it after two frames (as a CI
+    timeout once did) must not pass for the whole stack, whose call is init_process_group."""
+    (tmp_path / "logs").mkdir()
+    stack = tmp_path / "logs" / "rank0.stack.log"
+    stack.write_text("\n".join(WHOLE_STACK.splitlines()[:4]) + "\n")
+    half = stacks.where(tmp_path, 1)[0]
+    assert half["complete"] is False and half["state"] == "collective"   # what it would have said
+    stack.write_text(WHOLE_STACK)
+    whole = stacks.where(tmp_path, 1)[0]
+    assert whole == {"state": "init", "call": "init_process_group", "at": "script.py line 35",
+                     "complete": True}
