@@ -1,6 +1,6 @@
 """Static plots from run directories, and the drawing the live panel shares with them."""
 import json
-import time
+import inspect
 
 import pytest
 from matplotlib.figure import Figure
@@ -109,29 +109,22 @@ def test_redraw_reuses_lines_and_thins_long_curves():
     assert len(mean.get_xdata()) <= 501 and mean.get_xdata()[-1] == 4999
 
 
-def test_live_plot_redraw_of_10000_points_costs_about_what_100_do():
-    # Compared side by side in one process, so a busy machine slows both alike: the thinned
-    # redraw must not grow with the points kept (an O(n) or worse redraw fails this at 100x
-    # the points). The absolute goal (< 0.1 s) is printed by bench/panel_overhead.py.
-    def live_plot(n_steps):
-        live = plots.LivePlot(("loss", "test_accuracy"))
-        live.add([{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s}
-                  for s in range(1, n_steps + 1) for r in (0, 1)])
-        live.render("warm-up")
-        return live
-
-    small, big = live_plot(50), live_plot(5000)
-    assert (small.points(), big.points()) == (100, 10_000)
-    t_small, t_big = [], []
-    for _ in range(5):   # interleaved, best of five each
-        t_small.append(_timed(small.render, "run: running"))
-        t_big.append(_timed(big.render, "run: running"))
-    ratio = min(t_big) / min(t_small)
-    print(f"redraw: 100 points {min(t_small) * 1000:.0f} ms, 10,000 points {min(t_big) * 1000:.0f} ms")
-    assert ratio < 2.5, f"a redraw of 10,000 points took {ratio:.1f}x one of 100 points"
-
-
-def _timed(fn, *args):
-    t = time.perf_counter()
-    assert fn(*args)[:4] == b"\x89PNG"
-    return time.perf_counter() - t
+def test_live_plot_redraws_10000_points_as_few_in_the_same_figure():
+    # What keeps a long run's redraw as cheap as a short one's, checked by counting, not by a
+    # clock (a timed ratio failed on a loaded CI machine and could not tell thinned from
+    # unthinned lines: Agg draws 10,000 points fast). The redraw time itself is printed by
+    # bench/panel_overhead.py. Each frame reuses the figure and its lines, and no line holds
+    # more than draw_metric's max_points (+1: the last point is always kept).
+    live = plots.LivePlot(("loss", "test_accuracy"))
+    live.add([{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s}
+              for s in range(1, 5001) for r in (0, 1)])
+    live.render("warm-up")
+    fig, lines = live.fig, [line for ax in live.axes for line in ax.get_lines()]
+    live.add([{"rank": r, "step": 5001, "time": 6001.0, "loss": 1e-4} for r in (0, 1)])
+    assert live.render("run: running")[:8] == b"\x89PNG\r\n\x1a\n"
+    assert live.points() == 10_002
+    assert live.fig is fig and [line for ax in live.axes for line in ax.get_lines()] == lines
+    limit = inspect.signature(plots.draw_metric).parameters["max_points"].default
+    sizes = [len(line.get_xdata()) for line in lines]
+    assert sizes and max(sizes) <= limit + 1, sizes
+    assert max(line.get_xdata()[-1] for line in lines) == 5001   # the newest step is drawn
