@@ -335,8 +335,9 @@ def test_a_rank_tells_where_it_is_on_sigusr1(tmp_path, write_script):
         assert wait_until(lambda: "ready" in (run_dir / "logs" / "rank0.stdout.log").read_text()
                           if (run_dir / "logs" / "rank0.stdout.log").exists() else False, 30)
         p.send_signal(signal.SIGUSR1)
-        where = wait_until(lambda: stacks.where(run_dir, 1), 10)
+        # a dump is read whole once it reaches the top level (stacks.where says "complete")
+        where = wait_until(lambda: (w := stacks.where(run_dir, 1)) and w[0]["complete"] and w, 10)
     finally:
         p.kill()
         p.wait()
-    assert where == {0: {"state": "busy", "call": None, "at": "script.py line 4"}}
+    assert where == {0: {"state": "busy", "call": None, "at": "script.py line 4", "complete": True}}
