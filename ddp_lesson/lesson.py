@@ -30,8 +30,8 @@ def work_dir(path="work"):
 
 def check(name, *args, nproc=None, timeout=600):
     """Start the check script scripts/<name>.py on CPU ranks (gloo); returns the launch.Run
-    at once. nproc=None: the default CPU rank count (DDP_LESSON_NPROC, else 2; 1 on a one-core
-    machine)."""
+    at once. nproc=None: the default CPU rank count (DDP_LESSON_NPROC, else 2; 1 when only one
+    core is usable)."""
     return launch.start(SCRIPTS / f"{name}.py", nproc=nproc, cpu=True, args=args, timeout=timeout)
 
 

@@ -54,7 +54,7 @@ class DevicePicker:
 
     def __init__(self, gpus=None, nproc=None, max_nproc=None):
         self.gpus = devices.list_gpus() if gpus is None else list(gpus)
-        nproc = nproc or devices.default_cpu_nproc()  # DDP_LESSON_NPROC, else 2 (1 on one core)
+        nproc = nproc or devices.default_cpu_nproc()  # DDP_LESSON_NPROC, else 2 (1 with one usable core)
         max_nproc = max_nproc or max(4, devices.cpu_count() * 2)
         self.nproc = W.BoundedIntText(value=min(nproc, max_nproc), min=1, max=max_nproc,
                                       description="processes", layout=W.Layout(width="170px"))

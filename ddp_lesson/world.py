@@ -611,8 +611,8 @@ def _write_private(path, data):
 
 
 def start(nproc=None, gpus=None, cpu=False, timeout=None):
-    """Start a live world: `nproc` CPU ranks on gloo (default: DDP_LESSON_NPROC or 2), or
-    one rank per GPU on nccl (`gpus` like [0, 1] or "0,1"; all GPUs by default; cpu=True
-    forces CPU ranks). `timeout`: seconds a run() call may take unless it says otherwise
+    """Start a live world: `nproc` CPU ranks on gloo (default: DDP_LESSON_NPROC, else 2; 1
+    when only one core is usable), or one rank per GPU on nccl (`gpus` like [0, 1] or "0,1";
+    all GPUs by default; cpu=True forces CPU ranks). `timeout`: seconds a run() call may take unless it says otherwise
     (default 120). Returns when every rank is ready; bad input raises ValueError first."""
     return World(nproc=nproc, gpus=gpus, cpu=cpu, timeout=timeout)
