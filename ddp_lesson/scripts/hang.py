@@ -9,6 +9,8 @@ The laggard is the last rank (rank 1 of 2).
                 other ranks first and reports the mismatch.
 --mode sleep    it just never arrives (stuck in data loading, say); with one rank, that
                 rank sleeps: a run that never ends by itself.
+parse_args and run are apart from main so that another script can run this one after itself,
+in the same ranks (ddp_lesson/chain.py's --then; notebook 07 does, to save a launch).
 """
 import argparse
 import os
@@ -19,17 +21,26 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
-@record
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="skip", choices=["skip", "sleep"])
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+@record
+def main():
+    args = parse_args()
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, laggard = dist.get_rank(), dist.get_world_size() - 1
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    run(args, device)
+    dist.destroy_process_group()
+
+
+def run(args, device):
+    rank, laggard = dist.get_rank(), dist.get_world_size() - 1
     grad = torch.ones(4, device=device)
     dist.all_reduce(grad)  # every rank: fine
     print(f"rank {rank}: first all_reduce done", flush=True)
@@ -42,7 +53,6 @@ def main():
         dist.all_reduce(grad)
     dist.barrier()
     print(f"rank {rank}: never printed", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

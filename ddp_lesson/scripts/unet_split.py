@@ -9,18 +9,22 @@
    generator=torch.Generator().manual_seed(0) every rank has the same split: disjoint shards.
 Also: the unwrapped model's state_dict() keys have no "module." prefix; DDP's do.
 Writes unet_split.json (rank 0, with every rank's figures).
+--then SCRIPT ARGS runs another script after this one, in the same ranks (ddp_lesson/chain.py):
+notebook 07 runs `hang --mode sleep` after it: the run its section 2 stops by force.
 """
+import argparse
 import json
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, random_split
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, models
+from ddp_lesson import chain, data, models
 
 SAMPLES, STEPS = 120, 3
 TRAIN = int(0.85 * SAMPLES)  # that script's 85 / 15 split
@@ -49,8 +53,24 @@ def weights_after_training(train, wrap):
     return flat, list(net.state_dict())[0]
 
 
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    chain.add_then(p)
+    return p.parse_args(argv)
+
+
+@record
 def main():
+    args = parse_args()
     dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    run(args, device)
+    chain.then(args.then, device)        # --then: a later script, in these same ranks
+    dist.destroy_process_group()
+
+
+def run(args, device):
+    """The check, in a process group already started; rank 0 writes unet_split.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
     unseeded, _ = split_report(None)                        # that script: every rank its own split
     seeded, train = split_report(torch.Generator().manual_seed(0))
@@ -80,7 +100,6 @@ def main():
         path = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "unet_split.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
