@@ -46,3 +46,25 @@ def test_06_quotes_the_blog_figures_that_scaling_holds():
     r3090 = re.search(r"took (\d+) s on one card and (\d+) s on two \(\*\*([\d.]+)x\*\*\)", top)
     assert {1: float(r3090.group(1)), 2: float(r3090.group(2))} == scaling.BLOG_3090_S
     assert float(r3090.group(3)) == round(scaling.blog_speedups()["3090"][2], 3)
+
+
+@pytest.mark.parametrize("level, crashes", [("DETAIL", True), ("INFO", False)])
+def test_07_detail_debug_crashes_ddp_on_gloo(level, crashes, tmp_path):
+    """Notebook 07 section 3 warns: in torch 2.14.1, DDP(...) on gloo dies with SIGSEGV in its
+    constructor when TORCH_DISTRIBUTED_DEBUG=DETAIL (INFO works). One process, world size 1:
+    it crashes at any rank count. When a torch release fixes it, this fails: drop the warning."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    code = ("import torch, torch.distributed as dist\n"
+            f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+            "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))\n"
+            "print('built', flush=True)\n"
+            "dist.destroy_process_group()\n")
+    env = dict(os.environ, TORCH_DISTRIBUTED_DEBUG=level, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    if crashes:
+        assert out.returncode == -signal.SIGSEGV and "built" not in out.stdout, (out.returncode, out.stderr[-2000:])
+    else:
+        assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
