@@ -1,10 +1,10 @@
-"""What watching a run costs: the same small training run (train_ddp.py, 2 CPU ranks) with
+"""What watching a run costs: the same small training run (train_ddp.py, 2 ranks) with
 and without a RunPanel polling and redrawing, side by side in one process, in the order
 A B B A (twice) so that a drift in machine load hits both alike. Prints the throughput ratio
 (goal: within 5%) and the time to redraw a live plot of 10,000 points (goal: < 100 ms).
 
-    python bench/panel_overhead.py            # 2 epochs, A B B A A B B A
-    python bench/panel_overhead.py --quick    # 1 epoch, A B (for CI)
+    python bench/panel_overhead.py [--nproc 2]   # 2 epochs, A B B A A B B A
+    python bench/panel_overhead.py --quick       # 1 epoch, A B (for CI)
     python bench/panel_overhead.py --timing [--steps 1500] [--warmup 10] [--nproc 2] [--quick]
 
 Throughput is the samples/s the script logs per epoch (summed over ranks), which leaves
@@ -47,15 +47,15 @@ def throughput(rows):
     return statistics.mean(vals) if vals else float("nan")
 
 
-def plain_run(args, base):
-    run = launch.start(SCRIPT, nproc=2, args=args, run_dir=Path(base) / f"plain-{time.time_ns()}")
+def plain_run(args, base, nproc):
+    run = launch.start(SCRIPT, nproc=nproc, args=args, run_dir=Path(base) / f"plain-{time.time_ns()}")
     result = run.wait()
     run.metrics()
     return result, run.rows, None
 
 
-def panel_run(args, base):
-    panel = RunPanel(SCRIPT, options={}, picker=DevicePicker(gpus=[]), extra_args=args,
+def panel_run(args, base, nproc):
+    panel = RunPanel(SCRIPT, options={}, picker=DevicePicker(gpus=[], nproc=nproc), extra_args=args,
                      runs_base=base, label="panel")
     panel.run()
     result = panel.wait()
@@ -196,7 +196,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--timing", action="store_true", help="instead: what the step-time fields cost")
     ap.add_argument("--steps", type=int, default=None, help="--timing: steps of each copy (1500)")
-    ap.add_argument("--nproc", type=int, default=2, help="--timing: ranks (one per GPU where there are GPUs)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (--timing: one per GPU where there are GPUs)")
     ap.add_argument("--warmup", type=int, default=10, help="--timing: turns per round not counted (10)")
     opts = ap.parse_args()
     if opts.timing:
@@ -205,9 +205,9 @@ def main():
     order = "AB" if opts.quick else "ABBAABBA"
     args = ["--epochs", str(epochs)]
     base = tempfile.mkdtemp(prefix="panel-bench-")
-    print(f"panel overhead: train_ddp.py --epochs {epochs} on 2 CPU ranks, order {' '.join(order)}"
+    print(f"panel overhead: train_ddp.py --epochs {epochs} on {opts.nproc} CPU rank(s), order {' '.join(order)}"
           f" (A without panel, B with)", flush=True)
-    runners = {"A": lambda: plain_run(args, base), "B": lambda: panel_run(args, base)}
+    runners = {"A": lambda: plain_run(args, base, opts.nproc), "B": lambda: panel_run(args, base, opts.nproc)}
     got = {"A": [], "B": []}
     try:
         for which in order:

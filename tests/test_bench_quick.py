@@ -14,9 +14,13 @@ MINE = {"allreduce_bandwidth.py", "scaling.py", "ddp_knobs.py"}
 # lines a bench must print, beyond "ratio:" (the live world's bench runs here only, not twice)
 EXPECT = {"world_roundtrip.py": ("ratio: world start / script launch",
                                  "ratio: script launch / cell round trip")}
-# a bench's smallest run: every line of it still runs, on less data or fewer ranks
+# a bench's smallest run: every line of it still runs, on less data or fewer ranks (a rank
+# costs ~5 CPU-s before any work: import torch, and DDP(...) imports torch._dynamo)
 SMALLEST = {"scaling.py": ("--samples", "1024"),   # 16 steps at 1 rank, 8 a rank at 2
             "world_roundtrip.py": ("--nproc", "1"),
+            "launcher_overhead.py": ("--nproc", "1"),   # both launches at 1 rank
+            "panel_overhead.py": ("--nproc", "1"),      # both runs (A and B) at 1 rank
+            "ddp_knobs.py": ("--nproc", "1"),
             "ddp_speedup.py": ("--global-batch", "128")}   # 64 a rank
 BENCHES = sorted(p for p in (REPO / "bench").glob("*.py") if "--quick" in p.read_text())
 
@@ -47,11 +51,12 @@ def test_quick(bench, tmp_path):
 
 
 def test_step_timer_overhead_quick(tmp_path):
-    """--timing: three copies of train_ddp.py's step in one launch; both ratios printed."""
+    """--timing: three copies of train_ddp.py's step in one launch; both ratios printed.
+    One rank: the bench's every line runs; StepTimer's hook at 3 ranks is test_timing's."""
     # 18 steps (3 a round) after 2 warm-up turns a round: enough to see real step times, not
     # to measure the 2% goal (the bench does that, 1500 steps after 10 warm-up turns)
     out = run_bench(REPO / "bench" / "panel_overhead.py", tmp_path, "--timing", "--steps", "18",
-                    "--warmup", "2").stdout
+                    "--warmup", "2", "--nproc", "1").stdout
     ratios = {}
     for line in out.splitlines():
         for key in ("(A2 vs A): ", "(B vs A and A2): "):

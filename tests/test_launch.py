@@ -8,7 +8,9 @@ relies on:
 - metric rows can be read with `Run.metrics()` while the run is still going;
 - a run works although port 29500 is taken and MASTER_PORT=29500 is in the environment;
 - `Run.stop()` and an interrupt during `Run.wait()` (what a notebook's stop button does)
-  end every process of the run within 10 s, with status `interrupted`;
+  end every process of the run within 10 s, with status `interrupted`: stop() on ranks that
+  ignore SIGTERM (so it must escalate to SIGKILL), the interrupt on ranks that end on
+  SIGTERM (wait() stops the run with stop(), so one launch each covers both kinds of rank);
 - when the launching process is SIGKILLed (a Jupyter kernel restart), the agent and every
   rank end by themselves within 10 s;
 - a rank killed by SIGKILL is reported as such, with the likely cause (memory);
@@ -177,8 +179,10 @@ def test_run_directory_contract(contract_run):
 # -- stopping --------------------------------------------------------------------------------
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("args", [[], ["--ignore-term"]], ids=["plain", "ranks-ignore-sigterm"])
-def test_stop_ends_every_process_within_10_s(tmp_run_dir, args):
+def test_stop_ends_every_process_within_10_s(tmp_run_dir):
+    """Ranks that ignore SIGTERM: stop() must escalate to SIGKILL. Ranks that end on SIGTERM
+    are stopped the same way by the interrupt test below (wait() calls stop())."""
+    args = ["--ignore-term"]
     run = launch.start(SCRIPTS / "sleeper.py", nproc=2, run_dir=tmp_run_dir, args=args)
     try:
         assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
@@ -223,8 +227,9 @@ def test_interrupt_during_wait_stops_the_run(tmp_run_dir, kernel_sigint):
         run.stop()
     print(f"KeyboardInterrupt in wait(): every process gone after {elapsed:.2f} s")
     assert gone and elapsed < 10
-    assert run.status == "interrupted"
+    assert run.status == "interrupted" and run.stop()["status"] == "interrupted"
     assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"
+    assert not procs.run_processes(tmp_run_dir)
 
 
 LAUNCHER = """
@@ -298,8 +303,9 @@ def _rank_process(run_dir, rank):
 @pytest.mark.timeout(150)
 def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
+    # 2 epochs: rank 1 dies after epoch 0's checkpoint, the restart resumes at epoch 1
     run = launch.start(TRAIN, nproc=2, run_dir=tmp_run_dir, max_restarts=1,
-                       args=["--epochs", "3", "--checkpoint", ckpt])
+                       args=["--epochs", "2", "--checkpoint", ckpt])
     try:
         assert wait_until(ckpt.exists, 90, interval=0.02), "no checkpoint was written"
         victim = _rank_process(tmp_run_dir.resolve(), 1)
@@ -314,15 +320,15 @@ def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
     assert "resumed from" in log0
     record = runs.load(tmp_run_dir)
     acc_epochs = {r["epoch"] for r in record.rows if "test_accuracy" in r}
-    assert acc_epochs == {0, 1, 2}
-    final = [r["test_accuracy"] for r in record.rows if "test_accuracy" in r and r["epoch"] == 2]
+    assert acc_epochs == {0, 1}
+    final = [r["test_accuracy"] for r in record.rows if "test_accuracy" in r and r["epoch"] == 1]
     assert final and min(final) > 0.3
     # the checkpoint was written to a .tmp and renamed (nothing half-written is left), and it
     # holds only tensors and numbers: torch.load(weights_only=True) can read it back
     assert not ckpt.with_name(ckpt.name + ".tmp").exists()
     import torch
     state = torch.load(ckpt, weights_only=True)
-    assert state["epoch"] == 2 and "model" in state, sorted(state)
+    assert state["epoch"] == 1 and "model" in state, sorted(state)
 
 
 # -- issue 10: supervision, identity, run directories -----------------------------------------

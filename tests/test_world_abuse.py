@@ -19,6 +19,13 @@ from ddp_lesson import procs, world as world_mod
 pytestmark = pytest.mark.usefixtures("kernel_sigint")
 
 
+@pytest.fixture(scope="module")
+def world(shell):
+    """The world `%ranks start` started (the `shell` fixture), driven here through its World
+    object: one live world for the module's World tests and its magics tests."""
+    return shell.world
+
+
 def in_thread(fn, limit):
     """Run fn() on a thread; (finished, result or exception, seconds) after at most `limit`."""
     box = {}
@@ -228,7 +235,8 @@ def _quiet(fn):
 @pytest.fixture(scope="module")
 def shell(runs_base):
     """An IPython shell with a world started by `%ranks start`; cell(source) runs a cell
-    and returns (result, captured output)."""
+    and returns (result, captured output). Its world is also this module's `world` (below),
+    so the module pays for one such start, not two."""
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
     from ddp_lesson import magics
