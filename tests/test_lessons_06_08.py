@@ -1,6 +1,10 @@
 """Notebooks 06-08: each has asserts and an exercise with a checker and a solution.
 (Outputs, ids, %%writefile cells: test_notebooks_check.)"""
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,10 +57,6 @@ def test_07_detail_debug_crashes_ddp_on_gloo(level, crashes, tmp_path):
     """Notebook 07 section 3 warns: in torch 2.14.1, DDP(...) on gloo dies with SIGSEGV in its
     constructor when TORCH_DISTRIBUTED_DEBUG=DETAIL (INFO works). One process, world size 1:
     it crashes at any rank count. When a torch release fixes it, this fails: drop the warning."""
-    import os
-    import signal
-    import subprocess
-    import sys
     code = ("import torch, torch.distributed as dist\n"
             f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
             "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))\n"
