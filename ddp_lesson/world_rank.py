@@ -9,6 +9,7 @@ prints. Messages (pickled tuples):
                     ("out", call_id, "stdout" | "stderr", text)
                     ("done", call_id, value_repr_or_None, traceback_text_or_None)
 """
+import _thread
 import ast
 import builtins
 import io
@@ -88,7 +89,11 @@ class Stream(io.TextIOBase):
         self.channel, self.name, self.fallback = channel, name, fallback
         self.parts, self.size = [], 0   # text not sent yet, in pieces (joined once: linear)
         self.lock = threading.Lock()    # held from taking the text until it is sent: in order
-        self.waiting = threading.Event()
+        # Lines waiting: a bare lock, released by write() and taken back by the gatherer. Not
+        # threading.Event: its set() runs Python code under a lock of its own, and an
+        # Interrupt landing there leaves that lock held, so the rank's next print hangs.
+        self.waiting = _thread.allocate_lock()
+        self.waiting.acquire()
         threading.Thread(target=self._gatherer, daemon=True, name=f"ddp-lesson-{name}").start()
 
     def write(self, text):
@@ -103,7 +108,10 @@ class Stream(io.TextIOBase):
             if full:   # a line of over 1 MB goes out in pieces (no text is joined twice)
                 self._send_lines(everything=self.size >= 16 * GATHER_BYTES)
         if not full and "\n" in text:
-            self.waiting.set()
+            try:
+                self.waiting.release()   # one C call: an Interrupt lands before or after it
+            except RuntimeError:
+                pass                     # already released: the gatherer is on its way
         return len(text)
 
     def flush(self):
@@ -113,9 +121,8 @@ class Stream(io.TextIOBase):
 
     def _gatherer(self):
         while True:
-            self.waiting.wait()
+            self.waiting.acquire()
             time.sleep(GATHER_S)
-            self.waiting.clear()
             with self.lock:
                 self._send_lines()
 

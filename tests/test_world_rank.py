@@ -1,0 +1,87 @@
+"""A rank of the live world, in this process: its print stream (ddp_lesson.world_rank.Stream)
+must survive an Interrupt that lands anywhere inside a print.
+
+An Interrupt (SIGINT) raises KeyboardInterrupt at whatever Python line the cell's thread is
+on. If that line was inside a lock's critical section that Python code entered, the lock
+stayed held and the rank's next print hung; found under load by test_world_abuse. Here
+the Interrupt is put, in turn, on every point of a print where CPython 3.11 would raise
+it (sys.settrace with opcode events), so the check does not depend on timing.
+"""
+import dis
+import io
+import sys
+import threading
+import time
+
+from ddp_lesson import world_rank
+
+
+class Channel:
+    """Stands in for the connection to the kernel: keeps what the stream sends."""
+    call = 1
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, *msg):
+        self.sent.append(msg)
+
+
+def _calls(code, cache={}):
+    """Offsets of the CALL instructions in `code`."""
+    if code not in cache:
+        cache[code] = {i.offset for i in dis.get_instructions(code) if i.opname == "CALL"}
+    return cache[code]
+
+
+def run_traced(fn, at=None):
+    """Run fn() and count the points where Python 3.11 can raise a signal's exception: a
+    function's start (RESUME) and right after a call returns (CALL checks for pending
+    signals once the callee is done). With `at`, raise KeyboardInterrupt at that point,
+    as an Interrupt would. Returns how many points there were."""
+    count, last = [0], {}
+
+    def point():
+        count[0] += 1
+        if count[0] == at:
+            raise KeyboardInterrupt
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            frame.f_trace_opcodes = True
+            point()
+        elif event == "opcode":
+            if last.get(frame) in _calls(frame.f_code):
+                last[frame] = frame.f_lasti
+                point()
+            last[frame] = frame.f_lasti
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    except KeyboardInterrupt:
+        if at is None:
+            raise
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+
+def test_an_interrupt_anywhere_in_a_print_leaves_the_next_print_working():
+    probe = world_rank.Stream(Channel(), "stdout", io.StringIO())
+    steps = run_traced(lambda: probe.write("first\n"))
+    assert steps >= 4   # the write itself has some: the trace does see it
+    for step in range(1, steps + 1):
+        channel = Channel()
+        stream = world_rank.Stream(channel, "stdout", io.StringIO())
+        run_traced(lambda: stream.write("first\n"), at=step)
+        after = threading.Thread(target=stream.write, args=("second\n",), daemon=True)
+        after.start()
+        after.join(5)
+        assert not after.is_alive(), f"an Interrupt at step {step} of {steps} left print stuck"
+        end = time.monotonic() + 5
+        while not any("second" in m[-1] for m in channel.sent) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert any("second" in m[-1] for m in channel.sent), \
+            f"an Interrupt at step {step} of {steps}: the next line never reached the kernel"
