@@ -91,7 +91,8 @@ def human(nbytes):
 
 def report(m, out=sys.stdout):
     """Print a `summarise` result: per size time, bandwidths and the fit, then the ratios."""
-    print(f"all_reduce on {m['world']} ranks ({m['backend']}):", file=out)
+    n = m["world"]
+    print(f"all_reduce on {n} rank{'s' if n != 1 else ''} ({m['backend']}):", file=out)
     print(f"{'size':>10} {'time':>10} {'algbw':>12} {'busbw':>12} {'fit':>10}", file=out)
     for r in m["rows"]:
         print(f"{human(r['bytes']):>10} {r['seconds'] * 1e6:8.0f}us {r['algbw'] / 1e6:8.1f}MB/s "

@@ -83,7 +83,8 @@ def measure_configs(device, quick=True, width=None, layers=None, batch=32, steps
 
 def report(rows, out=sys.stdout):
     r0 = rows[0]
-    print(f"DDP knobs on {r0['world_size']} ranks ({r0['backend']}), MLP with {r0['params']} parameter tensors, "
+    n = r0["world_size"]
+    print(f"DDP knobs on {n} rank{'s' if n != 1 else ''} ({r0['backend']}), MLP with {r0['params']} parameter tensors, "
           f"{r0['param_bytes'] / 2**20:.2f} MiB of gradients:", file=out)
     print(f"{'configuration':<36} {'buckets':>7} {'MB/step':>8} {'grad storages':>13} {'step':>9} {'vs default':>10}",
           file=out)
