@@ -13,18 +13,26 @@ import sys
 import threading
 import time
 
+import pytest
+
 from ddp_lesson import world_rank
 
 
-class Channel:
-    """Stands in for the connection to the kernel: keeps what the stream sends."""
-    call = 1
+class Connection:
+    """Stands in for the connection to the kernel: keeps what the rank sends."""
 
     def __init__(self):
         self.sent = []
 
-    def send(self, *msg):
+    def send(self, msg):
         self.sent.append(msg)
+
+
+def stream_to_kernel():
+    conn = Connection()
+    channel = world_rank.Channel(conn)
+    channel.call = 1   # a cell is running: printed lines go to the kernel
+    return world_rank.Stream(channel, "stdout", io.StringIO()), conn
 
 
 def _calls(code, cache={}):
@@ -68,20 +76,26 @@ def run_traced(fn, at=None):
     return count[0]
 
 
-def test_an_interrupt_anywhere_in_a_print_leaves_the_next_print_working():
-    probe = world_rank.Stream(Channel(), "stdout", io.StringIO())
-    steps = run_traced(lambda: probe.write("first\n"))
-    assert steps >= 4   # the write itself has some: the trace does see it
+def printed(stream, text, flush):
+    stream.write(text)
+    if flush:   # print(..., flush=True)
+        stream.flush()
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["print", "print-flush"])
+def test_an_interrupt_anywhere_in_a_print_leaves_the_next_print_working(flush):
+    probe, _ = stream_to_kernel()
+    steps = run_traced(lambda: printed(probe, "first\n", flush))
+    assert steps >= 4   # the print itself has some: the trace does see it
     for step in range(1, steps + 1):
-        channel = Channel()
-        stream = world_rank.Stream(channel, "stdout", io.StringIO())
-        run_traced(lambda: stream.write("first\n"), at=step)
-        after = threading.Thread(target=stream.write, args=("second\n",), daemon=True)
+        stream, conn = stream_to_kernel()
+        run_traced(lambda: printed(stream, "first\n", flush), at=step)
+        after = threading.Thread(target=printed, args=(stream, "second\n", flush), daemon=True)
         after.start()
         after.join(5)
         assert not after.is_alive(), f"an Interrupt at step {step} of {steps} left print stuck"
         end = time.monotonic() + 5
-        while not any("second" in m[-1] for m in channel.sent) and time.monotonic() < end:
+        while not any("second" in m[-1] for m in conn.sent) and time.monotonic() < end:
             time.sleep(0.01)
-        assert any("second" in m[-1] for m in channel.sent), \
+        assert any("second" in m[-1] for m in conn.sent), \
             f"an Interrupt at step {step} of {steps}: the next line never reached the kernel"
