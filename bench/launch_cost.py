@@ -1,0 +1,98 @@
+"""What starting processes costs, in CPU seconds, measured side by side in one run:
+
+1. a bare Python (`python -c pass`);
+2. `python -c "import torch"`;
+3. a torchrun launch whose ranks join a gloo group and all_reduce once;
+4. the same with a DDP model, one step and an optimizer (`DDP(...)` and the optimizer's
+   constructor import torch._dynamo as well).
+
+On a small CPU machine most of the test suite's time is this start-up, paid once per
+launch and once per rank: multiply by the launches a run makes. The last line says how many
+launches like (4) a time budget pays for on this machine's cores, with nothing else running.
+Launches here are bare torchrun (the course's launcher adds its guards: see
+launcher_overhead.py), with OMP_NUM_THREADS=1 per rank as the course sets on CPU.
+
+    python bench/launch_cost.py [--quick] [--repeat N] [--nproc 2] [--budget-min 14]
+"""
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GLOO = """import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+DDP = """import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.ones(4, 8)).sum().backward()
+opt.step()
+dist.destroy_process_group()
+"""
+
+
+def children_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def cost(cmd, cwd, env):
+    """(CPU seconds, wall seconds) of running cmd to the end; the CPU of every process it
+    waited for is counted (torchrun waits for its ranks)."""
+    cpu, wall = children_cpu(), time.perf_counter()
+    subprocess.run(cmd, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return children_cpu() - cpu, time.perf_counter() - wall
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one of each, at 1 rank, without (3)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--budget-min", type=float, default=14, help="a time budget, in minutes")
+    a = ap.parse_args()
+    repeat, nproc = (1, 1) if a.quick else (a.repeat, a.nproc)
+    cores = len(os.sched_getaffinity(0))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "gloo.py").write_text(GLOO)
+        (Path(tmp) / "ddp.py").write_text(DDP)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        cases = {"python -c pass": [sys.executable, "-c", "pass"],
+                 "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+                 f"torchrun, {nproc} rank(s): gloo all_reduce": torchrun + ["gloo.py"],
+                 f"torchrun, {nproc} rank(s): DDP step": torchrun + ["ddp.py"]}
+        if a.quick:
+            del cases[f"torchrun, {nproc} rank(s): gloo all_reduce"]
+        cost(cases["python -c 'import torch'"], tmp, env)   # warm the file cache
+        seen = {name: [] for name in cases}
+        for _ in range(repeat):   # alternated: a burst of other load hits every case alike
+            for name, cmd in cases.items():
+                seen[name].append(cost(cmd, tmp, env))
+    med = {name: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v))
+           for name, v in seen.items()}
+    print(f"start-up cost, median of {repeat}, {cores} cores, load {os.getloadavg()[0]:.1f}:")
+    for name, (cpu, wall) in med.items():
+        print(f"  {name:<40} {cpu:6.2f} CPU-s  {wall:6.2f} s")
+    bare = med["python -c pass"][0]
+    torch_cpu = med["python -c 'import torch'"][0]
+    ddp = med[f"torchrun, {nproc} rank(s): DDP step"][0]
+    print(f"ratio: import torch / bare python = {torch_cpu / bare:.0f}x")
+    print(f"ratio: DDP launch at {nproc} rank(s) / import torch = {ddp / torch_cpu:.1f}x "
+          f"(torchrun's agent and each rank import torch)")
+    budget = a.budget_min * 60 * cores
+    print(f"a budget of {a.budget_min:g} min on {cores} cores ({budget:.0f} CPU-s) pays for "
+          f"{budget / ddp:.0f} such launches, with nothing else running")
+
+
+if __name__ == "__main__":
+    main()
