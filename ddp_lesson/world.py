@@ -156,10 +156,12 @@ class World:
             raise TypeError(f"The code to run must be a string, got {type(code).__name__}.")
         picked = self.pick_ranks(ranks)
         limit = _check_timeout(timeout) or self.timeout or DEFAULT_TIMEOUT_S
-        if not self._call.acquire(blocking=False):
-            raise RuntimeError("This world is running another call; wait for it to finish.")
-        try:
-            with _HeldInterrupt() as held:
+        # Ctrl-C is held from before the call lock is taken until it is given back: one
+        # landing between taking it and the try below would leave it taken for good
+        with _HeldInterrupt() as held:
+            if not self._call.acquire(blocking=False):
+                raise RuntimeError("This world is running another call; wait for it to finish.")
+            try:
                 with self._life:
                     self._check_usable()
                     self._calls += 1
@@ -172,20 +174,20 @@ class World:
                 except KeyboardInterrupt:
                     self._interrupt(call, reply, held)
                     raise
-            if reply.busy:
-                self._broken = (f"a call timed out after {limit:g} s while "
-                                f"{ranks_text(reply.busy)} {_was(reply.busy)} busy")
-                err = TimeoutError(
-                    f"{ranks_text(reply.busy).capitalize()} did not finish within {limit:g} s "
-                    f"(waiting in a collective that not every rank entered?); a rank stuck like "
-                    f"that cannot be interrupted safely, so the world must restart: "
-                    f"world.restart() (in a notebook: %ranks restart).")
-                err.busy = sorted(reply.busy)      # what the magics show
-                err.results = reply.results()      # finished ranks' results too
-                raise err
-            return reply.results()
-        finally:
-            self._call.release()
+                if reply.busy:
+                    self._broken = (f"a call timed out after {limit:g} s while "
+                                    f"{ranks_text(reply.busy)} {_was(reply.busy)} busy")
+                    err = TimeoutError(
+                        f"{ranks_text(reply.busy).capitalize()} did not finish within {limit:g} s "
+                        f"(waiting in a collective that not every rank entered?); a rank stuck "
+                        f"like that cannot be interrupted safely, so the world must restart: "
+                        f"world.restart() (in a notebook: %ranks restart).")
+                    err.busy = sorted(reply.busy)      # what the magics show
+                    err.results = reply.results()      # finished ranks' results too
+                    raise err
+            finally:
+                self._call.release()
+        return reply.results()
 
     def pick_ranks(self, ranks):
         """`ranks` (None: all, an int, a range or a list) as a sorted list; ValueError with

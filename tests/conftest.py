@@ -5,12 +5,15 @@
 - `repo_env`: an environment for child processes that can import ddp_lesson from this
   checkout, without any DDP_LESSON_* variables inherited from the caller.
 - `kernel_sigint`: SIGINT raises KeyboardInterrupt during the test, whatever was inherited.
+- `signal_points(fn, at=...)`: runs fn() with an Interrupt delivered at one chosen point
+  where CPython could deliver it, so code can be checked against every such point in turn.
 - `no_leftover_processes` (autouse): after every test, no process whose
   DDP_LESSON_RUN_DIR lies under this session's pytest temp folder may still be alive
   (waits a few seconds for them to go, then kills them and fails the test).
   Processes are matched by the run directory in their environment, never by name, so
   other people's runs on the same machine are never touched.
 """
+import dis
 import os
 import shutil
 import signal
@@ -57,6 +60,53 @@ def wait_until(predicate, timeout, interval=0.05):
         if time.monotonic() >= end:
             return None
         time.sleep(interval)
+
+
+def _call_offsets(code, cache={}):
+    if code not in cache:
+        cache[code] = {i.offset for i in dis.get_instructions(code) if i.opname == "CALL"}
+    return cache[code]
+
+
+def signal_points(fn, at=None, where=lambda code: True, handler=None):
+    """Run fn() and count the points where CPython 3.11 would handle a pending signal: a
+    function's start (RESUME) and right after a call returns (CALL checks for pending
+    signals once the callee is done), in frames whose code `where` accepts. At point `at`,
+    do what a SIGINT arriving there does: call `handler`, or else the handler SIGINT has at
+    that moment (default_int_handler raises KeyboardInterrupt; a holder notes it). A
+    KeyboardInterrupt that comes out of fn() is swallowed when `at` is given. Returns how
+    many points there were. Deterministic: no timing decides where the Interrupt lands."""
+    count, last = [0], {}
+
+    def point(frame):
+        count[0] += 1
+        if count[0] == at:
+            h = handler or signal.getsignal(signal.SIGINT)
+            if callable(h):
+                h(signal.SIGINT, frame)
+
+    def tracer(frame, event, arg):
+        if not where(frame.f_code):
+            return None
+        if event == "call":
+            frame.f_trace_opcodes = True
+            point(frame)
+        elif event == "opcode":
+            if last.get(frame) in _call_offsets(frame.f_code):
+                last[frame] = frame.f_lasti
+                point(frame)
+            last[frame] = frame.f_lasti
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    except KeyboardInterrupt:
+        if at is None:
+            raise
+    finally:
+        sys.settrace(None)
+    return count[0]
 
 
 def child_env(**extra):

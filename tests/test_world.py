@@ -16,7 +16,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from conftest import child_env, wait_until
+from conftest import child_env, signal_points, wait_until
 from ddp_lesson import procs, world as world_mod
 
 # these tests interrupt world.run() as a notebook's Interrupt would
@@ -86,6 +86,29 @@ def test_interrupt_stops_python_code_and_keeps_the_world(world):
     assert world.state == "ready"
     assert [r.value for r in world.run("rank")] == [str(r) for r in range(world.world_size)]
 
+
+
+def test_an_interrupt_anywhere_in_run_leaves_the_world_usable(world):
+    """Ctrl-C may land at any point of the kernel's side of a call. conftest.signal_points
+    puts it, in turn, on every point of ddp_lesson/world.py's code that one call passes
+    where CPython would deliver it; after each, the world is ready and the next call runs
+    (a lock left taken said "This world is running another call" until a restart)."""
+    n = world.world_size
+    mine = lambda code: code.co_filename == world_mod.__file__
+    steps = signal_points(lambda: world.run("rank"), where=mine)
+    assert steps >= 10
+    interrupted = 0
+    for step in range(1, steps + 1):
+        t = time.monotonic()
+        try:
+            signal_points(lambda: world.run("rank"), at=step, where=mine)
+        except RuntimeError as e:   # only the message this test is about
+            pytest.fail(f"an Interrupt at point {step} of {steps}: {e}")
+        assert time.monotonic() - t < world_mod.INTERRUPT_GRACE_S + 5, step
+        assert world.state == "ready", (step, world.describe())
+        assert [r.value for r in world.run("rank", timeout=30)] == [str(r) for r in range(n)], step
+        interrupted += 1
+    assert interrupted == steps
 
 def test_key_file_private_and_listener_closed(world):
     key = world.run_dir / "world.key"

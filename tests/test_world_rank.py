@@ -4,17 +4,16 @@ must survive an Interrupt that lands anywhere inside a print.
 An Interrupt (SIGINT) raises KeyboardInterrupt at whatever Python line the cell's thread is
 on. If that line was inside a lock's critical section that Python code entered, the lock
 stayed held and the rank's next print hung; found under load by test_world_abuse. Here
-the Interrupt is put, in turn, on every point of a print where CPython 3.11 would raise
-it (sys.settrace with opcode events), so the check does not depend on timing.
+the Interrupt is put, in turn, on every point of a print where CPython 3.11 would deliver
+it (conftest.signal_points), so the check does not depend on timing.
 """
-import dis
 import io
-import sys
 import threading
 import time
 
 import pytest
 
+from conftest import signal_points
 from ddp_lesson import world_rank
 
 
@@ -35,47 +34,6 @@ def stream_to_kernel():
     return world_rank.Stream(channel, "stdout", io.StringIO()), conn
 
 
-def _calls(code, cache={}):
-    """Offsets of the CALL instructions in `code`."""
-    if code not in cache:
-        cache[code] = {i.offset for i in dis.get_instructions(code) if i.opname == "CALL"}
-    return cache[code]
-
-
-def run_traced(fn, at=None):
-    """Run fn() and count the points where Python 3.11 can raise a signal's exception: a
-    function's start (RESUME) and right after a call returns (CALL checks for pending
-    signals once the callee is done). With `at`, raise KeyboardInterrupt at that point,
-    as an Interrupt would. Returns how many points there were."""
-    count, last = [0], {}
-
-    def point():
-        count[0] += 1
-        if count[0] == at:
-            raise KeyboardInterrupt
-
-    def tracer(frame, event, arg):
-        if event == "call":
-            frame.f_trace_opcodes = True
-            point()
-        elif event == "opcode":
-            if last.get(frame) in _calls(frame.f_code):
-                last[frame] = frame.f_lasti
-                point()
-            last[frame] = frame.f_lasti
-        return tracer
-
-    sys.settrace(tracer)
-    try:
-        fn()
-    except KeyboardInterrupt:
-        if at is None:
-            raise
-    finally:
-        sys.settrace(None)
-    return count[0]
-
-
 def printed(stream, text, flush):
     stream.write(text)
     if flush:   # print(..., flush=True)
@@ -85,11 +43,14 @@ def printed(stream, text, flush):
 @pytest.mark.parametrize("flush", [False, True], ids=["print", "print-flush"])
 def test_an_interrupt_anywhere_in_a_print_leaves_the_next_print_working(flush):
     probe, _ = stream_to_kernel()
-    steps = run_traced(lambda: printed(probe, "first\n", flush))
+    steps = signal_points(lambda: printed(probe, "first\n", flush))
     assert steps >= 4   # the print itself has some: the trace does see it
     for step in range(1, steps + 1):
         stream, conn = stream_to_kernel()
-        run_traced(lambda: printed(stream, "first\n", flush), at=step)
+        # what SIGINT does in a rank during a cell: the rank's handler (it holds the
+        # Interrupt while a message is being sent, and raises it otherwise)
+        signal_points(lambda: printed(stream, "first\n", flush), at=step,
+                      handler=stream.channel.on_interrupt)
         after = threading.Thread(target=printed, args=(stream, "second\n", flush), daemon=True)
         after.start()
         after.join(5)
