@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import BadInput, __version__, checks, devices, failures, procs, stacks
+from . import BadInput, __version__, checks, devices, failures, interrupts, procs, stacks
 from .runs import LogTail, MetricsTail, new_run_dir, tail_text, write_json
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
@@ -86,9 +86,10 @@ def _in_spawner(fn):
             _spawn_thread = threading.Thread(target=_spawner, name="ddp-lesson-spawner", daemon=True)
             _spawn_thread.start()
     req = {"fn": fn, "box": [], "ready": threading.Event(), "cancelled": False}
-    _requests.put(req)
     try:
-        req["ready"].wait()
+        with interrupts.Held():   # put() takes a Condition's lock in Python code
+            _requests.put(req)
+        interrupts.wait_for(req["ready"])
     except BaseException:
         req["cancelled"] = True  # the spawner checks this after it has set ready...
         if req["ready"].is_set():  # ...and this sees the case where it already had
@@ -252,7 +253,7 @@ class Run:
     def wait_done(self, timeout=None):
         """Block up to `timeout` seconds (None: until the end); True if the run has ended.
         Unlike wait(), an interrupt here does not stop the run."""
-        return self._done.wait(timeout)
+        return interrupts.wait_for(self._done, timeout)
 
     def pids(self):
         """PIDs of the agent and its descendants alive now."""
@@ -278,7 +279,7 @@ class Run:
         (Ctrl-C, the notebook's stop button) stops the run before it propagates."""
         end = None if timeout is None else time.monotonic() + timeout
         try:
-            while not self._done.wait(poll):
+            while not interrupts.wait_for(self._done, poll):
                 if end is not None and time.monotonic() >= end:
                     return None
         except KeyboardInterrupt:
@@ -291,7 +292,7 @@ class Run:
         if not self._done.is_set():
             self._stop_requested = True
             procs.end_tree(self._agent, grace=grace, run_dir=self.run_dir, token=self.token)
-            self._done.wait(30)
+            interrupts.wait_for(self._done, 30)
         return self.result
 
     # -- supervision (watch thread) ---------------------------------------------------

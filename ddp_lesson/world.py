@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from pathlib import Path
 from typing import Optional
 
-from . import checks, launch
+from . import checks, interrupts, launch
 from .runs import new_run_dir
 
 RANK_SCRIPT = Path(__file__).with_name("world_rank.py")
@@ -77,7 +77,7 @@ class World:
         self._ask = {"nproc": nproc, "gpus": gpus, "cpu": cpu}
         self._life = threading.RLock()
         self._call = threading.Lock()        # one run() at a time
-        self._stop_asked = threading.Event()  # a stop waiting for the lock: starts give up
+        self._stop_asked = False   # a stop is waiting for the lock: starts give up (a plain flag: no lock)
         self._run, self._inbox, self._address = None, None, None
         self._conns, self._pids, self._devices = {}, {}, {}
         self._calls, self._broken = 0, None
@@ -158,7 +158,7 @@ class World:
         limit = _check_timeout(timeout) or self.timeout or DEFAULT_TIMEOUT_S
         # Ctrl-C is held from before the call lock is taken until it is given back: one
         # landing between taking it and the try below would leave it taken for good
-        with _HeldInterrupt() as held:
+        with interrupts.Held() as held:
             if not self._call.acquire(blocking=False):
                 raise RuntimeError("This world is running another call; wait for it to finish.")
             try:
@@ -270,7 +270,7 @@ class World:
         thread meanwhile wins: the world ends stopped, and this raises RuntimeError."""
         with self._life:
             self._stop_locked()
-            if self._stop_asked.is_set():
+            if self._stop_asked:
                 raise RuntimeError("The world was stopped while it restarted.")
             self._start()
         return self
@@ -278,13 +278,13 @@ class World:
     def stop(self):
         """End every process of the world; returns the run's result dict. Safe from any
         thread, during a call or a restart (it waits for the restart, which gives up)."""
-        self._stop_asked.set()
+        self._stop_asked = True
         try:
             with self._life:
                 self._stop_locked()
                 return self._run.result if self._run is not None else None
         finally:
-            self._stop_asked.clear()
+            self._stop_asked = False
 
     def _stop_locked(self):
         if self._stopped:
@@ -331,7 +331,7 @@ class World:
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             while len(arrived) < expected:
-                if self._stop_asked.is_set():
+                if self._stop_asked:
                     raise RuntimeError("The world was stopped while it started.")
                 if run.done():
                     raise RuntimeError(f"The world's ranks ended before they were ready: "
@@ -374,7 +374,7 @@ class World:
             self._rank_gone(rank)
 
     def _send_quietly(self, rank, msg):
-        with _HeldInterrupt():   # a message is sent whole or not at all
+        with interrupts.Held():   # a message is sent whole or not at all
             try:
                 self._conns[rank].send(msg)
                 return True
@@ -426,33 +426,6 @@ class _Reply:
         return out
 
 
-class _HeldInterrupt:
-    """Within the block, Ctrl-C (SIGINT) is noted instead of raised, so it never lands in
-    the middle of a message; deliver() raises it at a safe point, and leaving the block
-    does too. Only the main thread takes signals; elsewhere this does nothing."""
-
-    def __enter__(self):
-        self.pending, self.old = False, None
-        if threading.current_thread() is threading.main_thread():
-            self.old = signal.signal(signal.SIGINT, self._note)
-        return self
-
-    def _note(self, signum, frame):
-        self.pending = True
-
-    def deliver(self):
-        if self.pending:
-            self.pending = False
-            if callable(self.old):
-                self.old(signal.SIGINT, None)
-
-    def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGINT, self.old)
-            if exc[0] is None:
-                self.deliver()
-
-
 class _Inbox:
     """Every rank's messages, read on a thread of its own: the kernel's main thread only
     waits on a queue, with a deadline, so neither Ctrl-C nor a rank that stops halfway
@@ -462,7 +435,7 @@ class _Inbox:
 
     def __init__(self, conns):
         self.queue = queue.Queue(maxsize=INBOX_BATCHES)
-        self.closing = threading.Event()
+        self.closing = False   # set by the kernel's main thread: a plain flag, no lock
         self.thread = threading.Thread(target=self._read, args=({c: r for r, c in conns.items()},),
                                        name="ddp-lesson-world-inbox", daemon=True)
         self.thread.start()
@@ -475,11 +448,11 @@ class _Inbox:
             return None
 
     def close(self):
-        self.closing.set()
+        self.closing = True
         self.thread.join(1)
 
     def _read(self, ranks):
-        while ranks and not self.closing.is_set():
+        while ranks and not self.closing:
             try:
                 ready = wait_any(list(ranks), timeout=0.2)
             except (OSError, ValueError):
@@ -498,7 +471,7 @@ class _Inbox:
                 self._put(ranks[conn], batch)
 
     def _put(self, rank, batch):
-        while not self.closing.is_set():
+        while not self.closing:
             try:
                 self.queue.put((rank, batch), timeout=0.2)
                 return
