@@ -52,6 +52,7 @@ class Channel:
         self.conn = conn
         self.lock = threading.Lock()
         self.call = None       # the id of the cell running now, None between cells
+        self.in_cell = False   # the learner's code is running (only then does Ctrl-C reach it)
         self.sending = False   # the main thread is inside conn.send
         self.held = False      # an Interrupt came while it was
 
@@ -63,12 +64,17 @@ class Channel:
                 self.conn.send(msg)
             finally:
                 self.sending = False
-        if main and self.held:
+        if main and self.held and self.in_cell:
             self.held = False
             raise KeyboardInterrupt
 
     def on_interrupt(self, signum, frame):
-        """SIGINT while a cell runs."""
+        """The rank's SIGINT handler, installed once: an Interrupt reaches the learner's code
+        (after the message being sent, if one is) and is ignored between cells. Plain flags,
+        not a handler switched per cell: signal.signal() runs a pending signal's old handler
+        first, so a switch back could be cut short and leave a handler that kills the rank."""
+        if not self.in_cell:
+            return
         if self.sending:
             self.held = True
         else:
@@ -160,22 +166,23 @@ def _learner_traceback(e):
     return "".join(traceback.format_exception(type(e), e, tb))
 
 
-def run_cell(code, namespace, filename, on_interrupt=signal.default_int_handler):
+def run_cell(code, namespace, filename, channel):
     """Run `code` like a notebook cell: everything, then the value of a trailing
-    expression. Returns (repr of that value or None, traceback text or None)."""
+    expression. Returns (repr of that value or None, traceback text or None). An
+    Interrupt reaches the code only while channel.in_cell is set (Channel.on_interrupt)."""
     try:
         tree = ast.parse(code, filename=filename)
         # register the source so tracebacks can show the cell's lines
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        signal.signal(signal.SIGINT, on_interrupt)  # Interrupt reaches the cell
+        channel.in_cell = True
         try:
             exec(compile(tree, filename, "exec"), namespace)
             value = None
             if last is not None:
                 value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            channel.in_cell = False
         return (None if value is None else repr(value)), None
     except BaseException as e:  # the rank lives on; the learner sees the traceback
         return None, _learner_traceback(e)
@@ -185,7 +192,7 @@ def main():
     import torch
     import torch.distributed as dist
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a running cell takes an Interrupt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only a running cell takes an Interrupt (below)
     # Cells import from the kernel's working folder, as in the notebook (the launcher put
     # this copy's folder and the package folder on the path instead).
     pkg = os.environ.get("DDP_LESSON_SCRIPT_DIR")
@@ -207,6 +214,7 @@ def main():
     key = _read_key(os.environ["DDP_LESSON_RUN_DIR"])
     channel = Channel(Client((host, int(port)), authkey=key))
     del key
+    signal.signal(signal.SIGINT, channel.on_interrupt)   # ignores Ctrl-C until a cell runs
     channel.send("hello", rank, os.getpid(), world_size, str(device))
     out, err = Stream(channel, "stdout", sys.__stdout__), Stream(channel, "stderr", sys.__stderr__)
 
@@ -224,7 +232,7 @@ def main():
         cells += 1
         sys.stdout, sys.stderr = out, err   # each cell starts with them (one may replace them)
         channel.call, channel.held = call, False
-        value, error = run_cell(code, namespace, f"<rank {rank} cell {cells}>", channel.on_interrupt)
+        value, error = run_cell(code, namespace, f"<rank {rank} cell {cells}>", channel)
         channel.held = False
         sys.stdout, sys.stderr = out, err
         out.flush()

@@ -8,6 +8,7 @@ the Interrupt is put, in turn, on every point of a print where CPython 3.11 woul
 it (conftest.signal_points), so the check does not depend on timing.
 """
 import io
+import signal
 import threading
 import time
 
@@ -30,7 +31,7 @@ class Connection:
 def stream_to_kernel():
     conn = Connection()
     channel = world_rank.Channel(conn)
-    channel.call = 1   # a cell is running: printed lines go to the kernel
+    channel.call, channel.in_cell = 1, True   # a cell is running: lines go to the kernel
     return world_rank.Stream(channel, "stdout", io.StringIO()), conn
 
 
@@ -60,3 +61,22 @@ def test_an_interrupt_anywhere_in_a_print_leaves_the_next_print_working(flush):
             time.sleep(0.01)
         assert any("second" in m[-1] for m in conn.sent), \
             f"an Interrupt at step {step} of {steps}: the next line never reached the kernel"
+
+
+def test_an_interrupt_anywhere_in_a_cell_ends_it_and_the_rank_then_ignores_ctrl_c():
+    """run_cell with an Interrupt at each point: the cell ends (with a KeyboardInterrupt
+    traceback where it was cut), run_cell itself never raises, and afterwards Ctrl-C is
+    ignored, as it must be between cells (a rank that raised there would die)."""
+    channel = world_rank.Channel(Connection())
+    code = "x = sum(range(10))\nx"
+    steps = signal_points(lambda: world_rank.run_cell(code, {}, "<cell>", channel))
+    assert steps >= 4
+    for step in range(1, steps + 1):
+        got = []
+        signal_points(lambda: got.append(world_rank.run_cell(code, {}, "<cell>", channel)),
+                      at=step, handler=channel.on_interrupt)
+        if got:   # the point may fall after run_cell returned (in this test's lambda)
+            value, error = got[0]
+            assert value == "45" or "KeyboardInterrupt" in error, (step, value, error)
+        assert not channel.in_cell, step
+        channel.on_interrupt(signal.SIGINT, None)   # between cells: ignored, no exception
