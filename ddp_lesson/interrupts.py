@@ -50,11 +50,8 @@ def wait_for(event, timeout=None):
     event is set, False if `timeout` seconds passed first."""
     end = None if timeout is None else time.monotonic() + timeout
     while not event.is_set():
-        if end is not None:
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(POLL_S, left))
-        else:
-            time.sleep(POLL_S)
+        step = POLL_S if end is None else min(POLL_S, end - time.monotonic())
+        if step <= 0:
+            return False
+        time.sleep(step)
     return True

@@ -274,14 +274,12 @@ class Run:
         return LogTail(self.run_dir, ranks=ranks)
 
     # -- control ----------------------------------------------------------------------
-    def wait(self, timeout=None, poll=0.1):
+    def wait(self, timeout=None):
         """Block until the run ends (or `timeout` seconds pass: then None). An interrupt
         (Ctrl-C, the notebook's stop button) stops the run before it propagates."""
-        end = None if timeout is None else time.monotonic() + timeout
         try:
-            while not interrupts.wait_for(self._done, poll):
-                if end is not None and time.monotonic() >= end:
-                    return None
+            if not interrupts.wait_for(self._done, timeout):
+                return None
         except KeyboardInterrupt:
             self.stop()
             raise

@@ -14,6 +14,7 @@
   other people's runs on the same machine are never touched.
 """
 import dis
+import functools
 import os
 import shutil
 import signal
@@ -62,10 +63,9 @@ def wait_until(predicate, timeout, interval=0.05):
         time.sleep(interval)
 
 
-def _call_offsets(code, cache={}):
-    if code not in cache:
-        cache[code] = {i.offset for i in dis.get_instructions(code) if i.opname == "CALL"}
-    return cache[code]
+@functools.lru_cache(maxsize=None)
+def _call_offsets(code):
+    return {i.offset for i in dis.get_instructions(code) if i.opname == "CALL"}
 
 
 def signal_points(fn, at=None, where=lambda code: True, handler=None):
@@ -75,7 +75,12 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
     do what a SIGINT arriving there does: call `handler`, or else the handler SIGINT has at
     that moment (default_int_handler raises KeyboardInterrupt; a holder notes it). A
     KeyboardInterrupt that comes out of fn() is swallowed when `at` is given. Returns how
-    many points there were. Deterministic: no timing decides where the Interrupt lands."""
+    many points there were. Deterministic: no timing decides where the Interrupt lands.
+
+    A model, not CPython itself: it also counts points CPython skips (after a call into
+    Python code returns, after some builtins), which only makes a walk stricter, and it
+    misses some it has (loop back-edges, f(*args) calls, checks inside C calls such as
+    signal.signal), so a walk that passes is strong evidence, not proof."""
     count, last = [0], {}
 
     def point(frame):
@@ -92,10 +97,10 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
             frame.f_trace_opcodes = True
             point(frame)
         elif event == "opcode":
-            if last.get(frame) in _call_offsets(frame.f_code):
-                last[frame] = frame.f_lasti
+            # moved on before point() may raise: the frame's unwinding is not a new point
+            previous, last[frame] = last.get(frame), frame.f_lasti
+            if previous in _call_offsets(frame.f_code):
                 point(frame)
-            last[frame] = frame.f_lasti
         return tracer
 
     sys.settrace(tracer)
