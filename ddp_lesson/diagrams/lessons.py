@@ -9,30 +9,10 @@ Figures are matplotlib.figure.Figure objects (not pyplot), so nothing piles up i
 list of open figures; a notebook shows one with `ddp_lesson.lesson.show(fig)`.
 """
 from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-DEVICE_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+from .shapes import DEVICE_COLOURS, arrow, blank, box
 
-
-def _box(ax, x, y, w, h, text, colour, alpha=0.25, fontsize=9):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=colour, ec=colour,
-                                alpha=alpha, lw=1.5))
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc="none", ec=colour, lw=1.5))
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
-
-
-def _arrow(ax, x0, y0, x1, y1, colour="black", text=None, style="-|>"):
-    ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle=style, mutation_scale=12,
-                                 color=colour, lw=1.2))
-    if text:
-        ax.text((x0 + x1) / 2 + 0.02, (y0 + y1) / 2, text, fontsize=8, va="center")
-
-
-def _blank(ax, title):
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.axis("off")
-    ax.set_title(title, fontsize=11)
+__all__ = ['model_vs_data_parallel', 'data_parallel_steps', 'sampler_shares', 'ddp_timeline', 'sync_strip']
 
 
 def model_vs_data_parallel():
@@ -42,31 +22,31 @@ def model_vs_data_parallel():
     left, right = fig.subplots(1, 2)
     c0, c1 = DEVICE_COLOURS[:2]
 
-    _blank(left, "model parallel: the MODEL is split")
-    _box(left, 0.3, 0.86, 0.4, 0.09, "whole batch (64)", "grey")
-    _box(left, 0.15, 0.48, 0.7, 0.3, "", c0, alpha=0.1)
+    blank(left, "model parallel: the MODEL is split")
+    box(left, 0.3, 0.86, 0.4, 0.09, "whole batch (64)", "grey")
+    box(left, 0.15, 0.48, 0.7, 0.3, "", c0, alpha=0.1)
     left.text(0.17, 0.74, "device 0", color=c0, fontsize=9, weight="bold")
-    _box(left, 0.3, 0.62, 0.4, 0.08, "layers 1-2", c0)
-    _box(left, 0.3, 0.51, 0.4, 0.08, "(activations)", c0, alpha=0.05)
-    _box(left, 0.15, 0.08, 0.7, 0.3, "", c1, alpha=0.1)
+    box(left, 0.3, 0.62, 0.4, 0.08, "layers 1-2", c0)
+    box(left, 0.3, 0.51, 0.4, 0.08, "(activations)", c0, alpha=0.05)
+    box(left, 0.15, 0.08, 0.7, 0.3, "", c1, alpha=0.1)
     left.text(0.17, 0.34, "device 1", color=c1, fontsize=9, weight="bold")
-    _box(left, 0.3, 0.22, 0.4, 0.08, "layers 3-4", c1)
-    _box(left, 0.3, 0.11, 0.4, 0.08, "loss", c1, alpha=0.05)
-    _arrow(left, 0.5, 0.86, 0.5, 0.71)
-    _arrow(left, 0.5, 0.51, 0.5, 0.31, text="activations copied")
+    box(left, 0.3, 0.22, 0.4, 0.08, "layers 3-4", c1)
+    box(left, 0.3, 0.11, 0.4, 0.08, "loss", c1, alpha=0.05)
+    arrow(left, 0.5, 0.86, 0.5, 0.71)
+    arrow(left, 0.5, 0.51, 0.5, 0.31, text="activations copied")
     left.text(0.5, 0.01, "fits a model too big for one device;\none device works while the other waits",
               ha="center", fontsize=8, style="italic")
 
-    _blank(right, "data parallel: the DATA is split")
-    _box(right, 0.3, 0.86, 0.4, 0.09, "whole batch (64)", "grey")
+    blank(right, "data parallel: the DATA is split")
+    box(right, 0.3, 0.86, 0.4, 0.09, "whole batch (64)", "grey")
     for i, (x, c) in enumerate(((0.05, c0), (0.53, c1))):
-        _box(right, x, 0.2, 0.42, 0.55, "", c, alpha=0.1)
+        box(right, x, 0.2, 0.42, 0.55, "", c, alpha=0.1)
         right.text(x + 0.03, 0.69, f"device {i}", color=c, fontsize=9, weight="bold")
-        _box(right, x + 0.06, 0.56, 0.3, 0.08, f"samples {32 * i}-{32 * i + 31}", c, alpha=0.05)
-        _box(right, x + 0.06, 0.42, 0.3, 0.09, "full model copy", c)
-        _box(right, x + 0.06, 0.26, 0.3, 0.08, "gradients", c, alpha=0.05)
-        _arrow(right, 0.5, 0.86, x + 0.21, 0.65)
-    _arrow(right, 0.41, 0.3, 0.59, 0.3, style="<|-|>")
+        box(right, x + 0.06, 0.56, 0.3, 0.08, f"samples {32 * i}-{32 * i + 31}", c, alpha=0.05)
+        box(right, x + 0.06, 0.42, 0.3, 0.09, "full model copy", c)
+        box(right, x + 0.06, 0.26, 0.3, 0.08, "gradients", c, alpha=0.05)
+        arrow(right, 0.5, 0.86, x + 0.21, 0.65)
+    arrow(right, 0.41, 0.3, 0.59, 0.3, style="<|-|>")
     right.text(0.5, 0.14, "average gradients\n(all-reduce)", ha="center", fontsize=8)
     right.text(0.5, 0.01, "every device holds the whole model;\nall work at once on different samples",
                ha="center", fontsize=8, style="italic")
@@ -90,23 +70,23 @@ def data_parallel_steps(chunk_sizes=(2, 2, 1), devices=4, scalar_loss=False):
     for row, label in enumerate(steps):
         ax.text(-1.5, 4.4 - row, label, fontsize=9, va="center")
     c0 = DEVICE_COLOURS[0]
-    _box(ax, 0.05, 4.15, 0.8, 0.5, f"batch [{n}]", c0)
+    box(ax, 0.05, 4.15, 0.8, 0.5, f"batch [{n}]", c0)
     for d in range(devices):
         c = DEVICE_COLOURS[d % len(DEVICE_COLOURS)]
         ax.text(d + 0.45, 4.85, f"device {d}", ha="center", fontsize=9, color=c, weight="bold")
         if d < len(chunk_sizes):
-            _box(ax, d + 0.05, 3.15, 0.8, 0.5, f"chunk [{chunk_sizes[d]}]", c)
-            _arrow(ax, 0.45, 4.15, d + 0.45, 3.65, colour="grey")
-            _box(ax, d + 0.05, 2.15, 0.8, 0.5, f"replica {d}" if d else "replica 0\n(shares storage)", c)
+            box(ax, d + 0.05, 3.15, 0.8, 0.5, f"chunk [{chunk_sizes[d]}]", c)
+            arrow(ax, 0.45, 4.15, d + 0.45, 3.65, colour="grey")
+            box(ax, d + 0.05, 2.15, 0.8, 0.5, f"replica {d}" if d else "replica 0\n(shares storage)", c)
             out = "loss ()" if scalar_loss else f"out [{chunk_sizes[d]}]"
-            _box(ax, d + 0.05, 1.15, 0.8, 0.5, out, c)
-            _arrow(ax, d + 0.45, 3.15, d + 0.45, 2.65, colour="grey")
-            _arrow(ax, d + 0.45, 2.15, d + 0.45, 1.65, colour="grey")
-            _arrow(ax, d + 0.45, 1.15, 0.45, 0.65, colour="grey")
+            box(ax, d + 0.05, 1.15, 0.8, 0.5, out, c)
+            arrow(ax, d + 0.45, 3.15, d + 0.45, 2.65, colour="grey")
+            arrow(ax, d + 0.45, 2.15, d + 0.45, 1.65, colour="grey")
+            arrow(ax, d + 0.45, 1.15, 0.45, 0.65, colour="grey")
         else:
             ax.text(d + 0.45, 2.4, "idle:\nno chunk left", ha="center", fontsize=9, color="grey")
     gathered = f"vector [{len(chunk_sizes)}]\n(warning!)" if scalar_loss else f"out [{n}]"
-    _box(ax, 0.05, 0.15, 0.8, 0.5, gathered, c0)
+    box(ax, 0.05, 0.15, 0.8, 0.5, gathered, c0)
     ax.text(1.0, 0.4, "backward runs the same way in reverse: gradients of the replicas\n"
             "are summed into the module's parameters on device_ids[0]", fontsize=8, va="center")
     fig.tight_layout()
@@ -129,7 +109,7 @@ def sampler_shares(n, rows):
             ax.text(-1.4, y, f"rank {rank}", fontsize=9, color=c, va="center")
             for k, i in enumerate(share):
                 twice = seen.count(i) > 1
-                _box(ax, k * 0.6, y - 0.25, 0.5, 0.5, str(i), "#C44E52" if twice else c,
+                box(ax, k * 0.6, y - 0.25, 0.5, 0.5, str(i), "#C44E52" if twice else c,
                      alpha=0.45 if twice else 0.2)
             y -= 0.7
         left_out = sorted(set(range(n)) - set(seen))
@@ -177,7 +157,7 @@ def sync_strip(synced):
     ax = fig.subplots()
     for rank, row in enumerate(synced):
         for k, on in enumerate(row):
-            _box(ax, k, ranks - 1 - rank, 0.8, 0.7, "AR" if on else "", "#C44E52" if on else "grey",
+            box(ax, k, ranks - 1 - rank, 0.8, 0.7, "AR" if on else "", "#C44E52" if on else "grey",
                  alpha=0.55 if on else 0.1, fontsize=7)
     ax.set_xlim(-0.2, steps)
     ax.set_ylim(-0.2, ranks)
