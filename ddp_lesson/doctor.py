@@ -4,6 +4,7 @@ One line per check: ok / warn / fail, with what to do."""
 import importlib.metadata
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -17,6 +18,10 @@ from . import devices, launch, procs
 from .runs import read_json, write_json
 
 SCRIPTS = Path(__file__).parent / "scripts"
+# The oldest torch the whole test suite passed on (requirements.txt and pyproject.toml say the
+# same). Older releases lack what lessons use: DDP(forward_sync_buffers=...) in 03b and 04,
+# FSDP2's fully_shard and torch.distributed.checkpoint's APIs in 10.
+TORCH_FLOOR = (2, 14, 1)
 
 
 def _line(level, text, out):
@@ -31,10 +36,27 @@ def _version(pkg):
         return None
 
 
+def release(version):
+    """(2, 14, 1) for "2.14.1+cpu" or "2.14.1a0"; a missing patch number counts as 0."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return tuple(int(g or 0) for g in m.groups()) if m else (0, 0, 0)
+
+
+def torch_floor_line(version, out):
+    """ok when `version` is at least TORCH_FLOOR, else a warning that says what will break."""
+    floor = ".".join(map(str, TORCH_FLOOR))
+    if release(version) >= TORCH_FLOOR:
+        return _line("ok", f"torch {version} is at least {floor}, the oldest release the course was tested on", out)
+    return _line("warn", f"torch {version} is older than {floor}, the oldest release the course was tested on: "
+                         f"notebooks 03b, 04 and 10 use APIs it may lack; "
+                         f"upgrade with `python -m pip install -r requirements.txt`", out)
+
+
 def check_versions(out):
     import torch  # CUDA is not initialised by reading versions
     levels = [_line("ok", f"python {platform.python_version()}, torch {torch.__version__}, "
                           f"torchvision {_version('torchvision') or 'missing'}", out)]
+    levels.append(torch_floor_line(torch.__version__, out))
     cuda = torch.version.cuda
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None

@@ -41,3 +41,19 @@ def test_cleanup_spares_a_run_whose_launcher_is_alive(write_script, tmp_run_dir)
     finally:
         run.stop()
     assert run.status == "interrupted"
+
+
+def test_doctor_warns_below_the_torch_floor_and_only_there():
+    """The floor is what requirements.txt and pyproject.toml ask for, and `doctor` says when the
+    installed torch is older than it."""
+    from pathlib import Path
+    floor = ".".join(map(str, doctor.TORCH_FLOOR))
+    repo = Path(__file__).resolve().parent.parent
+    assert f"torch>={floor}\n" in (repo / "requirements.txt").read_text()
+    assert f'"torch>={floor}"' in (repo / "pyproject.toml").read_text()
+    older = f"{doctor.TORCH_FLOOR[0]}.{doctor.TORCH_FLOOR[1] - 1}.0+cpu"
+    for version, level in ((floor + "+cpu", "ok"), (older, "warn"), ("2.1.0", "warn"),
+                           (f"{doctor.TORCH_FLOOR[0]}.{doctor.TORCH_FLOOR[1] + 1}.0.dev20261201", "ok")):
+        out = io.StringIO()
+        assert doctor.torch_floor_line(version, out) == level, (version, out.getvalue())
+        assert out.getvalue().startswith(level) and version in out.getvalue()
