@@ -1,0 +1,32 @@
+"""The lesson text of 00-05 stays readable (issue 31): at most 10 sentences over 35 words in
+all of them together, and no parentheses inside parentheses, outside fold-away <details> cells
+(tools/prose.py measures; it is what a learner reads on the main thread)."""
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("prose", REPO / "tools" / "prose.py")
+prose = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prose)
+
+FIRST_LESSONS = sorted(p for p in (REPO / "notebooks").glob("0[0-5]*.ipynb"))
+
+
+def test_the_measure_sees_long_sentences_and_nesting_and_skips_fine_print():
+    long_one = "This sentence " + "goes on and on " * 10 + "until it ends."
+    text = prose.lesson_text(f"A short one. {long_one} Then (a remark (nested) here).\n\n| a | b (c (d)) |")
+    assert [len(s.split()) for s in prose.sentences(text)] == [3, 45, 5]
+    assert prose.nested_parentheses(text) == ["(a remark (nested) here)."]
+    assert prose.lesson_text("<details><summary>Under the hood: x</summary>\n\n" + long_one) == ""
+    assert prose.nested_parentheses(prose.lesson_text("see `f(g(x))` and [a](http://x/(y))")) == []
+
+
+def test_lessons_00_to_05_have_few_long_sentences_and_no_nested_parentheses():
+    assert len(FIRST_LESSONS) >= 7, FIRST_LESSONS
+    long, nested = [], []
+    for path in FIRST_LESSONS:
+        lg, ns = prose.measure(path)
+        long += [(path.name, i, s[:100]) for i, s in lg]
+        nested += [(path.name, i, s[:100]) for i, s in ns]
+    assert not nested, nested
+    assert len(long) <= 10, "\n".join(map(str, long))
