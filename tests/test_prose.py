@@ -16,7 +16,7 @@ def test_the_measure_sees_long_sentences_and_nesting_and_skips_fine_print():
     long_one = "This sentence " + "goes on and on " * 10 + "until it ends."
     text = prose.lesson_text(f"A short one. {long_one} Then (a remark (nested) here).\n\n| a | b (c (d)) |")
     assert [len(s.split()) for s in prose.sentences(text)] == [3, 45, 5]
-    assert prose.nested_parentheses(text) == ["(a remark (nested) here)."]
+    assert [s.strip() for s in prose.nested_parentheses(text)] == ["(a remark (nested) here)."]
     assert prose.lesson_text("<details><summary>Under the hood: x</summary>\n\n" + long_one) == ""
     assert prose.nested_parentheses(prose.lesson_text("see `f(g(x))` and [a](http://x/(y))")) == []
 
