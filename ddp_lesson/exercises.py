@@ -1,4 +1,4 @@
-"""Checkers for the exercises of 03-05 that launch a DDP script and read its run.
+"""Checkers of the exercises in 03-05, 09, 10 and 11 that launch a script or call the learner's code.
 
     run_dir = exercises.attempt("work/ex_set_epoch.py", exercises.check_set_epoch)
 

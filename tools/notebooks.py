@@ -1,5 +1,6 @@
-"""The one way to keep the notebooks in shape. The .ipynb files are the source: edit them
-in JupyterLab or an editor, then
+"""The one way to keep the notebooks in shape. Prose and ordinary code cells: the .ipynb files
+are the source (edit them in JupyterLab or an editor). `%%writefile work/<name>.py` cells: the
+script ddp_lesson/scripts/<name>.py is the source (edit it, then `sync` writes the cell). Then
 
     python tools/notebooks.py check   # every notebooks/*.ipynb; non-zero exit naming notebook and cell
     python tools/notebooks.py sync    # rewrite %%writefile cells from ddp_lesson/scripts, strip outputs
