@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 
-from . import devices, launch, procs
-from .runs import read_json, write_json
+from . import devices, launch, procs, rundir
+from .rundir import read_json, write_json
 
 SCRIPTS = Path(__file__).parent / "scripts"
 # The oldest torch the whole test suite passed on (requirements.txt and pyproject.toml say the
@@ -159,7 +159,7 @@ def main(out=sys.stdout):
 def supervisor(run_dir):
     """The PID of the process that launched the run (a notebook kernel, a terminal) while
     it lives, else None."""
-    launcher = (read_json(Path(run_dir) / "config.json", {}) or {}).get("launcher") or {}
+    launcher = (read_json(rundir.config(run_dir), {}) or {}).get("launcher") or {}
     alive = procs.is_alive(launcher.get("pid"), launcher.get("create_time"))
     return launcher["pid"] if alive else None
 
@@ -194,9 +194,9 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
     procs.kill_all(alive)
     procs.wait_gone(alive, 5)
     for run_dir in by_run:
-        if run_dir and (Path(run_dir) / "config.json").exists() and not (Path(run_dir) / "result.json").exists():
-            write_json(Path(run_dir) / "result.json", {"status": "interrupted", "returncode": None,
-                                                       "duration_s": None,
-                                                       "message": "Ended by `python -m ddp_lesson cleanup`."})
+        if run_dir and rundir.config(run_dir).exists() and not rundir.result(run_dir).exists():
+            write_json(rundir.result(run_dir), {"status": "interrupted", "returncode": None,
+                                                "duration_s": None,
+                                                "message": "Ended by `python -m ddp_lesson cleanup`."})
     print(f"ended {len(found)} process(es) of {len(by_run)} run(s)", file=out)
     return 0

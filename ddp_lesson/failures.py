@@ -10,8 +10,8 @@ Reads two structured records, never torchrun's printed summary:
 """
 import signal
 
-from pathlib import Path
 
+from . import rundir
 from .runs import read_json, tail_text
 
 SIGNALS = {
@@ -74,17 +74,17 @@ def hint(failure):
     return None
 
 
-def _errors(logs):
-    return [e for e in (read_json(p) for p in sorted(logs.glob("rank*.error.json"))) if e]
+def _errors(run_dir):
+    return [e for e in (read_json(p) for p in rundir.error_files(run_dir)) if e]
 
 
-def _silent(logs, rank, exitcode):
+def _silent(run_dir, rank, exitcode):
     return {"rank": rank, "exitcode": exitcode, "message": f"rank {rank} {explain(exitcode)}",
-            "traceback": tail_text(logs / f"rank{rank}.stderr.log", 30)}
+            "traceback": tail_text(rundir.rank_log(run_dir, rank, "stderr"), 30)}
 
 
-def _raised(logs, error, exitcode):
-    tb = error.get("traceback") or tail_text(logs / f"rank{error['rank']}.stderr.log", 30)
+def _raised(run_dir, error, exitcode):
+    tb = error.get("traceback") or tail_text(rundir.rank_log(run_dir, error["rank"], "stderr"), 30)
     return {"rank": error["rank"], "exitcode": exitcode, "message": error["message"], "traceback": tb}
 
 
@@ -98,15 +98,15 @@ def root_cause(run_dir):
     if the very process torchrun reports raised it (same pid), so an error file left by an
     earlier restart cannot win. `rank` is None when the agent itself was stopped. `nnodes`
     is the run's node count (for hint())."""
-    failure = _root_cause(Path(run_dir) / "logs")
+    failure = _root_cause(run_dir)
     if failure:
-        failure["nnodes"] = (read_json(Path(run_dir) / "config.json") or {}).get("nnodes", 1)
+        failure["nnodes"] = (read_json(rundir.config(run_dir)) or {}).get("nnodes", 1)
     return failure
 
 
-def _root_cause(logs):
-    errors = _errors(logs)
-    agent = read_json(logs / "agent.failures.json") or {}
+def _root_cause(run_dir):
+    errors = _errors(run_dir)
+    agent = read_json(rundir.agent_failures(run_dir)) or {}
     if agent.get("signal"):
         name = agent["signal"]
         code = -int(getattr(signal, name, signal.SIGTERM))
@@ -119,19 +119,19 @@ def _root_cause(logs):
         silent = [r for r in rows if r["pid"] not in by_pid and r["exitcode"] not in TEARDOWN]
         if silent:
             first = min(silent, key=lambda r: (r["timestamp"], r["rank"]))
-            return _silent(logs, first["rank"], first["exitcode"])
+            return _silent(run_dir, first["rank"], first["exitcode"])
         raised = [(by_pid[r["pid"]], r["exitcode"]) for r in rows if r["pid"] in by_pid]
         if raised:
             error, code = min(raised, key=lambda x: x[0]["time"])
-            return _same_errors(_raised(logs, error, code), [e for e, _ in raised])
+            return _same_errors(_raised(run_dir, error, code), [e for e, _ in raised])
         first = min(rows, key=lambda r: (TEARDOWN.index(r["exitcode"]) if r["exitcode"] in TEARDOWN
                                          else -1, r["timestamp"], r["rank"]))
-        return _silent(logs, first["rank"], first["exitcode"])
+        return _silent(run_dir, first["rank"], first["exitcode"])
     if errors:  # the agent left no record (it was killed): the latest attempt's errors
         latest = max(e.get("restart", 0) for e in errors)
         errors = [e for e in errors if e.get("restart", 0) == latest]
         first = min(errors, key=lambda e: e["time"])
-        return _same_errors(_raised(logs, first, 1), errors)
+        return _same_errors(_raised(run_dir, first, 1), errors)
     return None
 
 
@@ -155,7 +155,7 @@ def describe(failure, traceback=True):
     """A few lines for a person: which rank, why, a hint for common causes, and (unless the
     ranks' output was already shown) the traceback, once."""
     if not failure:
-        return "The run failed before any rank reported an error; see logs/agent.log."
+        return f"The run failed before any rank reported an error; see {rundir.agent_log('')} in its run directory."
     lines = [headline(failure)]
     if failure.get("same_error"):
         ranks = ", ".join(map(str, failure["same_error"]))

@@ -34,6 +34,8 @@ import time
 import traceback
 import warnings
 
+from . import rundir
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 AGENT_ENV = "DDP_LESSON_AGENT_PID"   # a rank's expected parent: the torchrun agent
@@ -81,7 +83,7 @@ def watch_parent(sig=signal.SIGKILL, parent=None, interval=0.5, on_orphan=None):
 # -- the agent --------------------------------------------------------------------------------
 
 def _run_identity():
-    return os.environ.get("DDP_LESSON_RUN_DIR"), os.environ.get("DDP_LESSON_RUN_TOKEN")
+    return os.environ.get(rundir.ENV), os.environ.get(rundir.TOKEN_ENV)
 
 
 def sweep():
@@ -118,11 +120,8 @@ def _write_failures(data):
     run_dir, _ = _run_identity()
     if not run_dir:
         return
-    path = os.path.join(run_dir, "logs", "agent.failures.json")
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(data, f)
-        os.replace(path + ".tmp", path)
+        rundir.write_json(rundir.agent_failures(run_dir), data)
     except OSError:
         pass
 
@@ -161,13 +160,12 @@ def _orphaned_agent():
 # -- a rank -----------------------------------------------------------------------------------
 
 def _redirect(run_dir, rank):
-    logs = os.path.join(run_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
+    rundir.logs(run_dir).mkdir(parents=True, exist_ok=True)
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        f = open(os.path.join(logs, f"rank{rank}.{name}.log"), "ab", buffering=0)
+        f = open(rundir.rank_log(run_dir, rank, name), "ab", buffering=0)
         os.dup2(f.fileno(), fd)
         f.close()
-    stack = open(os.path.join(logs, f"rank{rank}.stack.log"), "w")
+    stack = open(rundir.stack_file(run_dir, rank), "w")
     stack.write(f"main thread {threading.main_thread().ident:#x}\n")
     stack.flush()
     faulthandler.register(STACK_SIGNAL, file=stack, all_threads=True)
@@ -178,10 +176,7 @@ def _record(run_dir, rank, message, tb):
     data = {"rank": int(rank), "message": message, "traceback": tb, "time": time.time(),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "pid": os.getpid()}
     if run_dir:
-        path = os.path.join(run_dir, "logs", f"rank{rank}.error.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(data, f)
-        os.replace(path + ".tmp", path)
+        rundir.write_json(rundir.error_file(run_dir, rank), data)
     # torchrun's own error file, in its format, so its summary shows the traceback too
     err_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if err_file and not os.path.exists(err_file):
@@ -204,7 +199,7 @@ def _user_traceback(e):
 
 
 def run_target(argv, rank=None):
-    run_dir = os.environ.get("DDP_LESSON_RUN_DIR")
+    run_dir = os.environ.get(rundir.ENV)
     if run_dir and rank is not None:
         _redirect(run_dir, rank)
     if argv[0] == "-m":
@@ -274,7 +269,7 @@ def main(argv=None):
     if not argv:
         sys.exit("usage: python -m ddp_lesson.guard [--agent|--rank] [--parent PID] [--signal TERM] "
                  "(SCRIPT | -m MODULE) [ARGS...]")
-    if role is None and "RANK" in os.environ and "DDP_LESSON_RUN_DIR" in os.environ:
+    if role is None and "RANK" in os.environ and rundir.ENV in os.environ:
         role = "rank"
     if role == "rank" and parent is None and os.environ.get(AGENT_ENV):
         parent = int(os.environ[AGENT_ENV])

@@ -23,8 +23,9 @@ import threading
 import time
 from pathlib import Path
 
-from . import BadInput, __version__, checks, devices, failures, interrupts, procs, stacks
-from .runs import LogTail, MetricsTail, new_run_dir, tail_text, write_json
+from . import BadInput, __version__, checks, devices, failures, interrupts, procs, rundir, stacks
+from .rundir import write_json
+from .runs import LogTail, MetricsTail, new_run_dir, tail_text
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
 STOP_GRACE_S = 5.0       # our wait for torchrun itself before SIGKILL of everything
@@ -123,14 +124,11 @@ def _prepare_run_dir(run_dir, script):
     if path.is_dir() and any(path.iterdir()):
         raise BadInput(f"The run directory {path} is not empty; give a new folder so runs never mix.")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "logs").mkdir()  # the claim: only one start() can create it
+        return rundir.create(path)
     except FileExistsError:
         raise BadInput(f"The run directory {path} is already used by another run; give a new folder.") from None
     except OSError as e:
         raise BadInput(f"Cannot create the run directory {path}: {e.strerror}.") from None
-    (path / "metrics").mkdir(exist_ok=True)
-    return path.resolve()
 
 
 def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_restarts=0,
@@ -153,7 +151,7 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     args = [str(a) for a in args]
     plan = devices.plan(nproc=nproc, gpus=gpus, cpu=cpu)
     path = _prepare_run_dir(run_dir, script)
-    shutil.copyfile(script, path / "script.py")
+    shutil.copyfile(script, rundir.script(path))
 
     if nnodes == 1:
         rdzv = ["--standalone"]
@@ -165,14 +163,14 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
            "--signal", "TERM",
            "-m", "torch.distributed.run", *rdzv,
            "--nproc-per-node", str(plan.nproc), "--max-restarts", str(max_restarts),
-           "--log-dir", str(path / "torchrun"), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+           "--log-dir", str(rundir.torchrun_logs(path)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
            "--monitor-interval", "0.1",
-           "-m", "ddp_lesson.guard", "--rank", str(path / "script.py"), *args]
+           "-m", "ddp_lesson.guard", "--rank", str(rundir.script(path)), *args]
     child_env = clean_env(os.environ)
     child_env.update(plan.env)
     child_env.update({
-        "DDP_LESSON_RUN_DIR": str(path),
-        "DDP_LESSON_RUN_TOKEN": token,  # with the run dir, what identifies this run's processes
+        rundir.ENV: str(path),
+        rundir.TOKEN_ENV: token,  # with the run dir, what identifies this run's processes
         "DDP_LESSON_SCRIPT_DIR": str(script.resolve().parent),
         "DDP_LESSON_BACKEND": plan.backend,
         "PYTHONUNBUFFERED": "1",
@@ -199,7 +197,7 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_unix": time.time(),
         "command": cmd,
     }
-    write_json(path / "config.json", config)
+    write_json(rundir.config(path), config)
     return Run(path, cmd, child_env, config, timeout)
 
 
@@ -223,7 +221,7 @@ class Run:
 
     def _spawn(self, cmd, env):
         """In the spawner thread: the agent, its place in _live and its watcher, together."""
-        with open(self.run_dir / "logs" / "agent.log", "wb") as agent_log:
+        with open(rundir.agent_log(self.run_dir), "wb") as agent_log:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          cwd=os.getcwd())
@@ -267,7 +265,7 @@ class Run:
         return new
 
     def log_tail(self, rank=0, lines=20, stream="stdout"):
-        return tail_text(self.run_dir / "logs" / f"rank{rank}.{stream}.log", lines)
+        return tail_text(rundir.rank_log(self.run_dir, rank, stream), lines)
 
     def output(self, ranks=None):
         """A LogTail over the ranks' stdout/stderr, for following them live."""
@@ -367,7 +365,7 @@ class Run:
         elif status == "interrupted":
             result["message"] = "The run was stopped; every process of it has ended."
         self.result = result
-        write_json(self.run_dir / "result.json", result)
+        write_json(rundir.result(self.run_dir), result)
 
     def __repr__(self):
         return f"<Run {self.run_dir.name} {self.status}>"

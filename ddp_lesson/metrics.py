@@ -32,6 +32,8 @@ import math
 import os
 import time
 
+from . import rundir
+
 LABELS = {"loss": "training loss (per batch)", "train_accuracy": "training batch accuracy",
           "test_accuracy": "test accuracy", "test_samples": "test samples counted",
           "samples_per_s": "samples / s", "compute_s": "compute per step (s)",
@@ -45,12 +47,12 @@ _file = None
 
 def _open():
     global _file
-    run_dir = os.environ.get("DDP_LESSON_RUN_DIR")
+    run_dir = rundir.from_env()
     if not run_dir:
         return None
-    folder = os.path.join(run_dir, "metrics")
-    os.makedirs(folder, exist_ok=True)
-    _file = open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a", buffering=1)
+    path = rundir.metrics_file(run_dir, os.environ.get("RANK", "0"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _file = open(path, "a", buffering=1)
     return _file
 
 

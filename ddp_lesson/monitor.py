@@ -14,7 +14,7 @@ with the ranks it watches), and never more than MAX_FRAME_S apart while points a
 import time
 from dataclasses import dataclass, field
 
-from . import devices, failures, runs
+from . import devices, failures, rundir, runs
 
 POLL_S = 0.25          # how often a view reads new rows and logs
 LOG_LINES = 15
@@ -59,7 +59,7 @@ def result_text(run):
     if status == "failed":
         if res.get("failure"):
             return "Failed: " + failures.headline(res["failure"])
-        return "Failed: " + res.get("message", "see logs/agent.log in the run directory.").splitlines()[0]
+        return "Failed: " + res.get("message", f"see {rundir.agent_log('')} in the run directory.").splitlines()[0]
     if status == "interrupted":
         return "Interrupted: " + res.get("message", "the run was stopped.")
     if status == "timeout":

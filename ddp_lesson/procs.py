@@ -1,15 +1,16 @@
 """Finding and ending the processes of a run: by PID (the tree under torchrun) and by the
 run's identity every process of it carries in its environment (DDP_LESSON_RUN_DIR and the
 per-run DDP_LESSON_RUN_TOKEN, also kept in config.json); never by name."""
-import json
 import os
 import signal
 import time
 
 import psutil
 
-ENV_KEY = "DDP_LESSON_RUN_DIR"
-TOKEN_KEY = "DDP_LESSON_RUN_TOKEN"
+from . import rundir
+
+ENV_KEY = rundir.ENV
+TOKEN_KEY = rundir.TOKEN_ENV
 
 
 def tree(pid):
@@ -98,11 +99,8 @@ def by_run():
 
 
 def _config_token(run_dir):
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            return json.load(f).get("token")
-    except (OSError, ValueError, AttributeError):
-        return None
+    config = rundir.read_json(rundir.config(run_dir))
+    return config.get("token") if isinstance(config, dict) else None
 
 
 def kill_all(procs, sig=signal.SIGKILL):

@@ -1,46 +1,26 @@
 """Run directories: make one, read one back (also while it runs), compare several.
 
-Layout (the contract): config.json, script.py, logs/, metrics/rank<R>.jsonl, result.json.
-Lesson scripts also leave model.pt (rank 0's model.module.state_dict()) at the end.
+Layout (the contract): see rundir.py, which owns its names.
 """
 import codecs
 import json
 import os
-import re
-import secrets
 import statistics
-import time
 from collections import deque
 from pathlib import Path
 
+from . import rundir
 from .metrics import TIME_KEYS   # a step's parts: one list, kept by metrics
+from .rundir import read_json, write_json  # noqa: F401 (their home is rundir; runs.read_json/write_json stay)
 
 DEFAULT_BASE = "runs"
-MODEL_FILE = "model.pt"   # where a lesson script's rank 0 saves the trained weights
+MODEL_FILE = rundir.MODEL   # where a lesson script's rank 0 saves the trained weights
 STRAGGLER_FACTOR = 1.3
 
 
 def new_run_dir(base=None, name="run"):
-    base = Path(base or os.environ.get("DDP_LESSON_RUNS", DEFAULT_BASE))
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40] or "run"
-    path = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
-    return path
-
-
-def read_json(path, default=None):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
-
-
-def write_json(path, data):
-    """Atomic: readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    """A fresh run directory path under `base` (default: DDP_LESSON_RUNS, else runs/)."""
+    return rundir.new_path(base or os.environ.get("DDP_LESSON_RUNS", DEFAULT_BASE), name)
 
 
 class _Tail:
@@ -86,12 +66,12 @@ class MetricsTail(_Tail):
     (complete lines only, so a row being written is picked up next time)."""
 
     def __init__(self, run_dir):
-        super().__init__(Path(run_dir) / "metrics")
+        super().__init__(rundir.metrics(run_dir))
 
     def read(self):
         rows = []
         for name in self._names():
-            if not name.endswith(".jsonl"):
+            if not rundir.is_metrics_file(name):
                 continue
             # rows are what the caller keeps anyway: read on past MAX_READ until caught up
             while chunk := self._new(name, whole_lines=True):
@@ -113,10 +93,10 @@ class RunRecord:
 
     def __init__(self, run_dir):
         self.path = Path(run_dir)
-        if not (self.path / "config.json").exists():
-            raise FileNotFoundError(f"{self.path} is not a run directory (no config.json)")
-        self.config = read_json(self.path / "config.json", {})
-        self.result = read_json(self.path / "result.json")
+        if not rundir.config(self.path).exists():
+            raise FileNotFoundError(f"{self.path} is not a run directory (no {rundir.CONFIG})")
+        self.config = read_json(rundir.config(self.path), {})
+        self.result = read_json(rundir.result(self.path))
         self.rows = load_metrics(self.path)
 
     @property
@@ -244,21 +224,21 @@ class LogTail(_Tail):
     """New text of the ranks' log files since the last call: [(rank, stream, text)]."""
 
     def __init__(self, run_dir, ranks=None, streams=("stdout", "stderr")):
-        super().__init__(Path(run_dir) / "logs")
+        super().__init__(rundir.logs(run_dir))
         self.ranks, self.streams = ranks, streams
 
     def read(self):
         out = []
         for name in self._names():
-            m = re.fullmatch(r"rank(\d+)\.(stdout|stderr)\.log", name)
-            if not m or m.group(2) not in self.streams:
+            which = rundir.rank_log_of(name)
+            if not which or which[1] not in self.streams:
                 continue
-            rank = int(m.group(1))
+            rank, stream = which
             if self.ranks is not None and rank not in self.ranks:
                 continue
             data = self._text(name)
             if data:
-                out.append((rank, m.group(2), data))
+                out.append((rank, stream, data))
         return out
 
 

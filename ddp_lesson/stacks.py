@@ -2,7 +2,8 @@
 to logs/rank<R>.stack.log on SIGUSR1 (faulthandler's format), so the timeout message can
 say whether a rank waited in a collective, in init_process_group, or was simply busy."""
 import re
-from pathlib import Path
+
+from . import rundir
 
 THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):", re.M)
 FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.M)
@@ -28,7 +29,7 @@ def where(run_dir, nproc):
     "complete": whether the dump was whole when read}}."""
     out = {}
     for rank in range(int(nproc or 0)):
-        path = Path(run_dir) / "logs" / f"rank{rank}.stack.log"
+        path = rundir.stack_file(run_dir, rank)
         try:
             frames = _main_frames(path.read_text(errors="replace"))
         except OSError:
@@ -38,12 +39,12 @@ def where(run_dir, nproc):
         # faulthandler writes a stack line by line, so a reader can catch it half written; a
         # whole main-thread stack reaches the program's top level (a "<module>" frame)
         complete = any(fn == "<module>" for _, _, fn in frames)
-        script = next(((f, n) for f, n, _ in frames if f.endswith("script.py")), None)
+        script = next(((f, n) for f, n, _ in frames if f.endswith(rundir.SCRIPT)), None)
         dist = [fn for f, _, fn in frames if "torch/distributed" in f.replace("\\", "/")
                 and fn not in ("wrapper", "inner", "_fn")]  # decorators say nothing
         outer = dist[-1] if dist else None  # the call the script made into torch.distributed
         state = "busy" if not dist else ("init" if any(fn in INIT for fn in dist) else "collective")
-        at = f"script.py line {script[1]}" if script else frames[0][0].rsplit("/", 1)[-1]
+        at = f"{rundir.SCRIPT} line {script[1]}" if script else frames[0][0].rsplit("/", 1)[-1]
         out[rank] = {"state": state, "call": outer, "at": at, "complete": complete}
     return out
 

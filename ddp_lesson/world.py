@@ -29,11 +29,10 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from pathlib import Path
 from typing import Optional
 
-from . import checks, interrupts, launch
+from . import checks, interrupts, launch, rundir
 from .runs import new_run_dir
 
 RANK_SCRIPT = Path(__file__).with_name("world_rank.py")
-KEY_FILE = "world.key"          # the same name as in world_rank.py
 START_TIMEOUT_S = 180           # import torch + init_process_group on a busy laptop
 DEFAULT_TIMEOUT_S = 120         # a call's limit unless start() or run() says otherwise
 INTERRUPT_GRACE_S = 3           # after an Interrupt, how long busy ranks get to give up
@@ -315,7 +314,7 @@ class World:
                                    env={"DDP_LESSON_WORLD_ADDRESS": "%s:%d" % door.address},
                                    **self._ask)
                 try:
-                    _write_private(run.run_dir / KEY_FILE, key)
+                    rundir.write_bytes(rundir.world_key(run.run_dir), key, private=True)
                     hellos = self._gather(door, run)
                 except BaseException:
                     run.stop(grace=1)
@@ -574,15 +573,6 @@ def _short(text, limit=80):
 def _check_timeout(timeout):
     """Seconds, or None; the launcher's one validator (refuses 0, negatives, nan and inf)."""
     return checks.number("timeout", timeout, 0.001, kind=float, allow_none=True)
-
-
-def _write_private(path, data):
-    """Write `data` to a new file only this user can read, atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def start(nproc=None, gpus=None, cpu=False, timeout=None):

@@ -22,7 +22,8 @@ import time
 import traceback
 from multiprocessing.connection import Client
 
-KEY_FILE = "world.key"
+from ddp_lesson import rundir   # standard library only, like this file
+
 KEY_WAIT_S = 60
 GATHER_S = 0.02          # printed lines reach the kernel within this (one message)
 GATHER_BYTES = 1 << 16   # or sooner, once this much is waiting
@@ -31,7 +32,7 @@ GATHER_BYTES = 1 << 16   # or sooner, once this much is waiting
 def _read_key(run_dir):
     # The kernel writes the key (mode 0600) right after starting torchrun; ranks get here
     # seconds later, after importing torch, so the wait is almost never needed.
-    path = os.path.join(run_dir, KEY_FILE)
+    path = rundir.world_key(run_dir)
     end = time.monotonic() + KEY_WAIT_S
     while True:
         try:
@@ -211,7 +212,7 @@ def main():
         dist.init_process_group(backend)
 
     host, port = os.environ["DDP_LESSON_WORLD_ADDRESS"].rsplit(":", 1)
-    key = _read_key(os.environ["DDP_LESSON_RUN_DIR"])
+    key = _read_key(rundir.from_env())
     channel = Channel(Client((host, int(port)), authkey=key))
     del key
     signal.signal(signal.SIGINT, channel.on_interrupt)   # ignores Ctrl-C until a cell runs

@@ -1,0 +1,151 @@
+"""The run directory, one per launch (the contract in the README): the names of its files, the
+environment variable that tells every process of a run where it is, a new directory's name,
+its creation, and atomic JSON writes. Standard library only: ranks and the guard import it.
+
+    config.json  script.py  result.json  model.pt (the lesson scripts' trained weights)
+    torchrun/    torchrun's own --log-dir
+    logs/        agent.log, agent.failures.json, rank<R>.stdout.log, rank<R>.stderr.log,
+                 rank<R>.error.json, rank<R>.stack.log
+    metrics/     rank<R>.jsonl
+"""
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+ENV = "DDP_LESSON_RUN_DIR"        # every process of a run has it: the run directory's absolute path
+TOKEN_ENV = "DDP_LESSON_RUN_TOKEN"  # and this run's token, also in config.json (procs.py matches them)
+
+CONFIG = "config.json"
+SCRIPT = "script.py"
+RESULT = "result.json"
+LOGS = "logs"
+METRICS = "metrics"
+MODEL = "model.pt"   # a lesson script's rank 0 saves model.module.state_dict() here at the end
+
+
+def config(run_dir):
+    return Path(run_dir) / CONFIG
+
+
+def script(run_dir):
+    return Path(run_dir) / SCRIPT
+
+
+def result(run_dir):
+    return Path(run_dir) / RESULT
+
+
+def logs(run_dir):
+    return Path(run_dir) / LOGS
+
+
+def metrics(run_dir):
+    return Path(run_dir) / METRICS
+
+
+def torchrun_logs(run_dir):
+    """torchrun's own --log-dir (its per-attempt folders), beside logs/."""
+    return Path(run_dir) / "torchrun"
+
+
+def agent_log(run_dir):
+    return logs(run_dir) / "agent.log"
+
+
+def agent_failures(run_dir):
+    return logs(run_dir) / "agent.failures.json"
+
+
+def rank_log(run_dir, rank, stream):
+    """logs/rank<R>.<stream>.log, stream "stdout" or "stderr"."""
+    return logs(run_dir) / f"rank{rank}.{stream}.log"
+
+
+def error_file(run_dir, rank):
+    return logs(run_dir) / f"rank{rank}.error.json"
+
+
+def error_files(run_dir):
+    """The rank<R>.error.json files in logs/, in name order."""
+    return sorted(logs(run_dir).glob("rank*.error.json"))
+
+
+def stack_file(run_dir, rank):
+    return logs(run_dir) / f"rank{rank}.stack.log"
+
+
+def world_key(run_dir):
+    """A live world's key (0600): only this world's ranks can connect back to the kernel."""
+    return Path(run_dir) / "world.key"
+
+
+def metrics_file(run_dir, rank):
+    return metrics(run_dir) / f"rank{rank}.jsonl"
+
+
+def is_metrics_file(name):
+    """True for a file name in metrics/ that holds a rank's rows."""
+    return re.fullmatch(r"rank\d+\.jsonl", name) is not None
+
+
+def rank_log_of(name):
+    """(rank, stream) for a file name in logs/ like rank1.stderr.log, else None."""
+    m = re.fullmatch(r"rank(\d+)\.(stdout|stderr)\.log", name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def from_env(default=None):
+    """This process's run directory (a Path), or `default` outside a ddp_lesson run."""
+    value = os.environ.get(ENV)
+    return Path(value) if value else default
+
+
+def new_path(base="runs", name="run"):
+    """A fresh, not yet created path: <base>/<time>-<name>-<4 hex>."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40] or "run"
+    return Path(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
+
+
+def create(path):
+    """Create the run directory with logs/ and metrics/ and return its absolute path.
+    Raises FileExistsError when another run already claimed it (logs/ is the claim: only one
+    creator can make it), NotADirectoryError or OSError otherwise."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    logs(path).mkdir()
+    metrics(path).mkdir(exist_ok=True)
+    return path.resolve()
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def write_json(path, data):
+    """Atomic: readers never see half a file."""
+    write_bytes(path, json.dumps(data, indent=2, default=str).encode())
+
+
+def write_bytes(path, data, private=False):
+    """Write `data` to `path` atomically. private: the file is created anew, readable by this
+    user only (0600), whatever a stale temporary file had."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if private:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    else:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

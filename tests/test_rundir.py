@@ -1,0 +1,76 @@
+"""The run directory has one owner, ddp_lesson/rundir.py: its names, the variable that points
+a process at it, creation and atomic writes. Other package modules go through it."""
+import ast
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from ddp_lesson import rundir
+
+PACKAGE = Path(rundir.__file__).parent
+NAMES = ("config.json", "result.json", "script.py", "agent.log", "agent.failures.json", ".jsonl",
+         ".error.json", ".stack.log", "stdout.log", "stderr.log", "world.key", "model.pt",
+         "DDP_LESSON_RUN_DIR", "DDP_LESSON_RUN_TOKEN")
+
+
+def test_paths_of_a_run_directory(tmp_path):
+    run = rundir.create(tmp_path / "r")
+    assert run.is_absolute() and rundir.logs(run).is_dir() and rundir.metrics(run).is_dir()
+    assert rundir.metrics_file(run, 3) == run / "metrics" / "rank3.jsonl"
+    assert rundir.rank_log(run, 1, "stderr") == run / "logs" / "rank1.stderr.log"
+    assert rundir.rank_log_of("rank12.stdout.log") == (12, "stdout")
+    assert rundir.rank_log_of("rank1.stack.log") is None and rundir.rank_log_of("agent.log") is None
+    assert rundir.is_metrics_file("rank0.jsonl") and not rundir.is_metrics_file("rank0.jsonl.tmp")
+    rundir.write_json(rundir.error_file(run, 1), {"rank": 1})
+    rundir.write_json(rundir.error_file(run, 0), {"rank": 0})
+    assert [rundir.read_json(p)["rank"] for p in rundir.error_files(run)] == [0, 1]
+    with pytest.raises(FileExistsError):      # logs/ is the claim: a second creator is refused
+        rundir.create(run)
+
+
+def test_from_env_and_a_new_path(monkeypatch, tmp_path):
+    monkeypatch.delenv(rundir.ENV, raising=False)
+    assert rundir.from_env() is None and rundir.from_env("x") == "x"
+    monkeypatch.setenv(rundir.ENV, str(tmp_path))
+    assert rundir.from_env() == tmp_path
+    a, b = rundir.new_path(tmp_path, "my script!"), rundir.new_path(tmp_path, "my script!")
+    assert a != b and a.parent == tmp_path and "-my-script-" in a.name and not a.exists()
+
+
+def test_atomic_writes_and_a_private_file(tmp_path):
+    path = tmp_path / "k"
+    (tmp_path / "k.tmp").write_bytes(b"stale")
+    os.chmod(tmp_path / "k.tmp", 0o666)
+    rundir.write_bytes(path, b"secret", private=True)
+    assert path.read_bytes() == b"secret" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert not (tmp_path / "k.tmp").exists()
+    rundir.write_json(tmp_path / "x.json", {"a": 1})
+    assert rundir.read_json(tmp_path / "x.json") == {"a": 1}
+    assert rundir.read_json(tmp_path / "missing.json", "dflt") == "dflt"
+
+
+def literals(path):
+    """The string constants of a module that are not docstrings."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_the_run_directory_names_are_spelled_in_rundir_only():
+    """Package modules (the scripts a learner reads are not held to it yet) name no file of the
+    run directory and neither environment variable themselves."""
+    spelled = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name == "rundir.py":
+            continue
+        found = [v for v in literals(path) if any(name in v for name in NAMES)]
+        if found:
+            spelled[path.name] = found
+    assert not spelled, spelled
+    assert any("config.json" in v for v in literals(PACKAGE / "rundir.py"))  # the check can see
