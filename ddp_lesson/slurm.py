@@ -124,15 +124,15 @@ def from_flags(a, script_args=()):
                          cpu=a.cpu, nproc_per_node=a.nproc_per_node, port=a.port)
 
 
-# --- a real Slurm: the one-machine test cluster of tools/slurm_cluster.sh, and its jobs ---
-CLUSTER_TOOL = Path(__file__).resolve().parents[1] / "tools" / "slurm_cluster.sh"
+# --- a real Slurm: the one-machine test cluster of slurm_cluster.sh, and its jobs ---
+CLUSTER_TOOL = Path(__file__).resolve().with_name("slurm_cluster.sh")   # shipped with the package
 SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE"}
 
 
 def why_no_cluster():
-    """None where this machine can run tools/slurm_cluster.sh, else one sentence why not."""
+    """None where this machine can run slurm_cluster.sh, else one sentence why not."""
     missing = [p for p in SLURM_PROGRAMS if not shutil.which(p)]
     if missing or not CLUSTER_TOOL.exists():
         return (f"No Slurm here ({', '.join(missing) or CLUSTER_TOOL.name} missing): "
@@ -144,7 +144,7 @@ def why_no_cluster():
 
 class Cluster:
     """A one-machine Slurm (munged, slurmctld, slurmd) in its own folder and on its own ports,
-    from tools/slurm_cluster.sh; `env` is os.environ with SLURM_CONF pointing at it.
+    from slurm_cluster.sh; `env` is os.environ with SLURM_CONF pointing at it.
 
         with slurm.Cluster() as c:
             job = c.submit("job.sbatch")
@@ -162,7 +162,7 @@ class Cluster:
         out = subprocess.run(["bash", str(CLUSTER_TOOL), "up", str(self.folder)], env=self.tool_env,
                              capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
-            raise RuntimeError(f"tools/slurm_cluster.sh up failed: {out.stderr.strip()}")
+            raise RuntimeError(f"slurm_cluster.sh up failed: {out.stderr.strip()}")
         self.env = dict(os.environ, SLURM_CONF=str(self.folder / "slurm.conf"))
         return self
 
