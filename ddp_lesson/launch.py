@@ -133,9 +133,10 @@ def _prepare_run_dir(run_dir, script):
 
 def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_restarts=0,
           timeout=None, env=None, label=None, nnodes=1, node_rank=0, rdzv_endpoint=None,
-          rdzv_id=None):
+          rdzv_id=None, private_files=None):
     """Launch `script` under torchrun and return a Run at once. Bad input raises
-    BadInput (one sentence) before anything starts."""
+    BadInput (one sentence) before anything starts. private_files: {name: bytes} written
+    into the run directory, readable by this user only, before any process starts."""
     script = Path(script)
     if not script.is_file():
         raise BadInput(f"The script {script} does not exist." if not script.exists()
@@ -152,6 +153,8 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     plan = devices.plan(nproc=nproc, gpus=gpus, cpu=cpu)
     path = _prepare_run_dir(run_dir, script)
     shutil.copyfile(script, rundir.script(path))
+    for name, data in (private_files or {}).items():
+        rundir.write_bytes(path / name, data, private=True)
 
     if nnodes == 1:
         rdzv = ["--standalone"]

@@ -23,6 +23,7 @@ SCRIPT = "script.py"
 RESULT = "result.json"
 LOGS = "logs"
 METRICS = "metrics"
+WORLD_KEY = "world.key"   # a live world's key: only its ranks can connect back to the kernel
 MODEL = "model.pt"   # a lesson script's rank 0 saves model.module.state_dict() here at the end
 
 
@@ -79,7 +80,7 @@ def stack_file(run_dir, rank):
 
 def world_key(run_dir):
     """A live world's key (0600): only this world's ranks can connect back to the kernel."""
-    return Path(run_dir) / "world.key"
+    return Path(run_dir) / WORLD_KEY
 
 
 def metrics_file(run_dir, rank):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import checks, interrupts, launch, rundir
+from .world_messages import Done, Exit, Gone, Out, Run, valid_hello
 from .runs import new_run_dir
 
 RANK_SCRIPT = Path(__file__).with_name("world_rank.py")
@@ -166,7 +167,7 @@ class World:
                     self._calls += 1
                     call = self._calls
                     for r in picked:
-                        self._send(r, ("run", call, code))
+                        self._send(r, Run(call, code))
                 reply = _Reply(picked)
                 try:
                     self._collect(call, reply, on_output, time.monotonic() + limit, held)
@@ -233,15 +234,15 @@ class World:
                 continue
             rank, batch = got
             for msg in batch:
-                if msg[0] == "gone":
+                if isinstance(msg, Gone):
                     self._rank_gone(rank)
-                elif len(msg) > 1 and msg[1] == call and rank in reply.busy:
-                    if msg[0] == "out" and msg[2] in ("stdout", "stderr"):
-                        reply.add(rank, msg[2], msg[3])
+                elif isinstance(msg, (Out, Done)) and msg.call == call and rank in reply.busy:
+                    if isinstance(msg, Out) and msg.stream in ("stdout", "stderr"):
+                        reply.add(rank, msg.stream, msg.text)
                         if on_output is not None:
-                            on_output(rank, msg[2], msg[3])
-                    elif msg[0] == "done":
-                        reply.done[rank] = (msg[2], msg[3])
+                            on_output(rank, msg.stream, msg.text)
+                    elif isinstance(msg, Done):
+                        reply.done[rank] = (msg.value, msg.error)
                         reply.busy.discard(rank)
 
     def _interrupt(self, call, reply, held):
@@ -293,7 +294,7 @@ class World:
             if not self._run.done():
                 if self._broken is None and not self._call.locked():
                     for r in list(self._conns):
-                        self._send_quietly(r, ("exit",))
+                        self._send_quietly(r, Exit())
                     self._run.wait(timeout=EXIT_GRACE_S)
                 if not self._run.done():
                     self._run.stop(grace=1)
@@ -312,9 +313,8 @@ class World:
                 self._address = door.address
                 run = launch.start(RANK_SCRIPT, label="world", run_dir=new_run_dir(name="world"),
                                    env={"DDP_LESSON_WORLD_ADDRESS": "%s:%d" % door.address},
-                                   **self._ask)
+                                   private_files={rundir.WORLD_KEY: key}, **self._ask)
                 try:
-                    rundir.write_bytes(rundir.world_key(run.run_dir), key, private=True)
                     hellos = self._gather(door, run)
                 except BaseException:
                     run.stop(grace=1)
@@ -340,10 +340,10 @@ class World:
                                        f"{START_TIMEOUT_S} s; see the logs in {run.run_dir}.")
                 door.admit(0.05)
                 for conn, hello in door.arrivals():
-                    if hello[1] in arrived or hello[2] not in set(run.pids()):
+                    if hello.rank in arrived or hello.pid not in set(run.pids()):
                         conn.close()   # someone with the key, but not a rank of this run
                     else:
-                        arrived[hello[1]] = (conn, hello)
+                        arrived[hello.rank] = (conn, hello)
         except BaseException:
             for conn, _ in arrived.values():
                 conn.close()
@@ -353,8 +353,8 @@ class World:
     def _adopt(self, run, hellos):
         self._run = run
         self._conns = {r: conn for r, (conn, _) in hellos.items()}
-        self._pids = {r: hello[2] for r, (_, hello) in hellos.items()}
-        self._devices = {r: hello[4] for r, (_, hello) in hellos.items()}
+        self._pids = {r: hello.pid for r, (_, hello) in hellos.items()}
+        self._devices = {r: hello.device for r, (_, hello) in hellos.items()}
         self._inbox = _Inbox(self._conns)
         self._broken, self._stopped, self._stopping = None, False, False   # call ids go on
 
@@ -430,7 +430,7 @@ class _Inbox:
     waits on a queue, with a deadline, so neither Ctrl-C nor a rank that stops halfway
     through a message can leave it stuck or out of step. The queue is bounded, so a
     rank printing faster than the kernel reads waits (in its print) instead of filling
-    the kernel's memory. A rank's end arrives as ("gone",)."""
+    the kernel's memory. A rank's end arrives as Gone()."""
 
     def __init__(self, conns):
         self.queue = queue.Queue(maxsize=INBOX_BATCHES)
@@ -464,7 +464,7 @@ class _Inbox:
                         size += len(data)
                         batch.append(pickle.loads(data))
                 except Exception:  # EOF, a closed or broken connection, a garbled message
-                    batch.append(("gone",))
+                    batch.append(Gone())
                     self._put(ranks.pop(conn), batch)
                     continue
                 self._put(ranks[conn], batch)
@@ -526,8 +526,7 @@ class _Door:
             answer_challenge(conn, self.key)
             hello = conn.recv() if conn.poll(HANDSHAKE_S) else None
             _read_deadline(peer, 0)   # from now on the ranks may be quiet for long
-            if (isinstance(hello, tuple) and len(hello) == 5 and hello[0] == "hello"
-                    and isinstance(hello[1], int) and isinstance(hello[2], int)):
+            if valid_hello(hello):
                 with self.lock:
                     if not self.closed:
                         self.ready.append((conn, hello))

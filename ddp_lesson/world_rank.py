@@ -3,11 +3,7 @@
 It joins the process group (gloo on CPU; nccl on GPUs, each rank on its own device),
 connects back to the kernel over an authenticated loopback connection and then runs the
 code the kernel sends, in one namespace that lives as long as the rank, streaming what it
-prints. Messages (pickled tuples):
-    kernel -> rank: ("run", call_id, code) | ("exit",)
-    rank -> kernel: ("hello", rank, pid, world_size, device)
-                    ("out", call_id, "stdout" | "stderr", text)
-                    ("done", call_id, value_repr_or_None, traceback_text_or_None)
+prints. The messages are world_messages.py's.
 """
 import _thread
 import ast
@@ -23,25 +19,20 @@ import traceback
 from multiprocessing.connection import Client
 
 from ddp_lesson import rundir   # standard library only, like this file
+from ddp_lesson.world_messages import Done, Exit, Hello, Out
 
-KEY_WAIT_S = 60
 GATHER_S = 0.02          # printed lines reach the kernel within this (one message)
 GATHER_BYTES = 1 << 16   # or sooner, once this much is waiting
 
 
 def _read_key(run_dir):
-    # The kernel writes the key (mode 0600) right after starting torchrun; ranks get here
-    # seconds later, after importing torch, so the wait is almost never needed.
+    # launch.start wrote it (mode 0600) before it started torchrun: no wait
     path = rundir.world_key(run_dir)
-    end = time.monotonic() + KEY_WAIT_S
-    while True:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            if time.monotonic() > end:
-                raise RuntimeError(f"No key file {path}: the kernel did not finish starting this world.")
-            time.sleep(0.02)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise RuntimeError(f"No key file {path}: this rank was not started by a live world.") from None
 
 
 class Channel:
@@ -57,7 +48,7 @@ class Channel:
         self.sending = False   # the main thread is inside conn.send
         self.held = False      # an Interrupt came while it was
 
-    def send(self, *msg):
+    def send(self, msg):
         main = threading.current_thread() is threading.main_thread()
         with self.lock:
             self.sending = main
@@ -141,7 +132,7 @@ class Stream(io.TextIOBase):
         self.parts, self.size = ([rest] if rest else []), len(rest)
         call = self.channel.call
         if cut and call is not None:
-            self.channel.send("out", call, self.name, text[:cut])
+            self.channel.send(Out(call, self.name, text[:cut]))
 
     def isatty(self):
         return False
@@ -216,7 +207,7 @@ def main():
     channel = Channel(Client((host, int(port)), authkey=key))
     del key
     signal.signal(signal.SIGINT, channel.on_interrupt)   # ignores Ctrl-C until a cell runs
-    channel.send("hello", rank, os.getpid(), world_size, str(device))
+    channel.send(Hello(rank, os.getpid(), world_size, str(device)))
     out, err = Stream(channel, "stdout", sys.__stdout__), Stream(channel, "stderr", sys.__stderr__)
 
     namespace = {"__name__": "__main__", "__builtins__": builtins, "torch": torch,
@@ -227,9 +218,9 @@ def main():
             msg = channel.conn.recv()
         except (EOFError, OSError):  # the kernel is gone: so is this world
             break
-        if msg[0] == "exit":
+        if isinstance(msg, Exit):
             break
-        _, call, code = msg
+        call, code = msg.call, msg.code
         cells += 1
         sys.stdout, sys.stderr = out, err   # each cell starts with them (one may replace them)
         channel.call, channel.held = call, False
@@ -239,7 +230,7 @@ def main():
         out.flush()
         err.flush()
         channel.call = None
-        channel.send("done", call, value, error)
+        channel.send(Done(call, value, error))
     channel.conn.close()
 
 
