@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddp_lesson import devices, launch, metrics, plots, runs  # noqa: E402
+from ddp_lesson import devices, launch, metrics, monitor, plots, runs  # noqa: E402
 from ddp_lesson.widgets import DevicePicker, RunPanel  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "ddp_lesson" / "scripts" / "train_ddp.py"
@@ -179,11 +179,12 @@ def redraw_ms(points=10_000, repeats=5):
             for s in range(1, points // 2 + 1) for r in (0, 1)]
     live = plots.LivePlot(("loss", "test_accuracy"))   # + the step-time bars
     live.add(rows)
-    live.render("warm-up")  # the first frame builds the figure
+    steps = runs.StepTimes(window=monitor.TIME_WINDOW).add(rows)
+    live.render("warm-up", times=steps)  # the first frame builds the figure
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        live.render("run: running")
+        live.render("run: running", times=steps)
         times.append((time.perf_counter() - t) * 1000)
     return statistics.median(times), min(times)
 

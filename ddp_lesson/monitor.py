@@ -6,6 +6,7 @@ RunPanel both show, read from one launch.Run.
         u.rows, u.state, u.text        # new metric rows; "running"/"ok"/...; the status line
         u.log, u.output                # rank 0's log tail; new (rank, stream, text) chunks
         u.stragglers, u.resources      # slow ranks now; memory per rank, GPU use per device
+        u.times                        # the step times they are judged on (views draw these)
 
 `FrameClock` says when a live plot should draw its next frame: at most 4 frames per
 second, fewer when a frame is slow to draw (on a small machine the viewer shares cores
@@ -76,6 +77,7 @@ class Update:
     output: list = field(default_factory=list)   # new (rank, stream, text) chunks, with output=True
     ended: bool = False
     stragglers: list = field(default_factory=list)  # ranks slower than the rest (runs.StepTimes' rule)
+    times: object = None           # the run's runs.StepTimes so far: views draw it, never judge it
     resources: str = ""            # memory per rank; on GPUs, use and memory per device
 
 
@@ -121,7 +123,8 @@ class Monitor:
         chunks = self._output.read() if self._output is not None else []
         log = run.log_tail(lines=self.log_lines) if self.log_lines else ""
         slow = self.times.add(rows).stragglers()
-        extra = {"stragglers": slow, "resources": resources_text(self.times, slow, self._gpu_use(ended))}
+        extra = {"stragglers": slow, "times": self.times,
+                 "resources": resources_text(self.times, slow, self._gpu_use(ended))}
         if not ended:
             return Update(rows, "running", running_text(run), log, chunks, **extra)
         if run.result["status"] == "failed":

@@ -299,9 +299,8 @@ def speedup_bars(runs, baseline=0, labels=None, key="duration_s", title=None):
 class LivePlot:
     """The run panel's figure. One Figure is kept across frames and drawn with draw_metric
     (which then only swaps line data); it has a fixed layout, because a layout engine
-    costs more than the drawing itself, and renders to PNG with Agg, off any thread."""
-
-    TIME_WINDOW = 30  # the bars show the median of each rank's last 30 steps
+    costs more than the drawing itself, and renders to PNG with Agg, off any thread.
+    The step-time bars draw the runs.StepTimes a monitor.Monitor judged: it owns that view."""
 
     def __init__(self, metrics=("loss", "test_accuracy"), x="step", width=4.6, height=2.9, dpi=80):
         self.metrics, self.x = tuple(metrics), x
@@ -311,28 +310,23 @@ class LivePlot:
     def reset(self, t0=None):
         """Forget the rows (a new run); t0 is the zero of a time axis."""
         self.series = {m: Series(m, x=self.x, t0=t0) for m in self.metrics}
-        self.times = runs_mod.StepTimes(window=self.TIME_WINDOW)
         self.title = ""   # the figure's title, drawn by the next render()
         self.fig, self.axes, self._shown, self._drawn_title = None, [], None, None
 
     def add(self, rows):
         for s in self.series.values():
             s.add(rows)
-        self.times.add(rows)
 
     def points(self):
         return sum(len(s) for s in self.series.values())
 
-    def stragglers(self):
-        """Ranks slower than the rest over the last TIME_WINDOW steps (runs.StepTimes' rule)."""
-        return self.times.stragglers()
-
-    def render(self, title=None):
-        """PNG bytes of the current rows (under `title`, which becomes self.title)."""
+    def render(self, title=None, times=None):
+        """PNG bytes of the current rows (under `title`, which becomes self.title), with
+        step-time bars from `times` (a runs.StepTimes) when it has any."""
         if title is not None:
             self.title = title
         shown = [m for m in self.metrics if len(self.series[m])] or list(self.metrics[:1])
-        if self.times.per_rank:
+        if times is not None and times.per_rank:
             shown.append("step times")
         if shown != self._shown:
             w, h = self.size
@@ -343,7 +337,7 @@ class LivePlot:
             self._shown, self._drawn_title = shown, None
         for ax, metric in zip(self.axes, shown):
             if metric == "step times":
-                draw_step_times(ax, self.times)
+                draw_step_times(ax, times)
             else:
                 draw_metric(ax, self.series[metric], metric, x=self.x)
         if self.title != self._drawn_title:

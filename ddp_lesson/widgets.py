@@ -189,14 +189,15 @@ class LiveFrame:
         else:
             display(Image(data=self.png, format="png"), display_id=self.display_id)
 
-    def update(self, rows, title, final=False):
+    def update(self, rows, title, final=False, times=None):
+        """times: the monitor's runs.StepTimes, drawn as bars beside the curves."""
         self.live.add(rows)
         points = self.live.points()
         if not self.clock.due(points, title, final):
             return
         t = time.perf_counter()
         self.live.title = title
-        self.png = self.live.render()
+        self.png = self.live.render(times=times)
         self.clock.drawn(points, title, time.perf_counter() - t)
         if self.display_id is not None:
             update_display(Image(data=self.png, format="png"), display_id=self.display_id)
@@ -218,6 +219,7 @@ class RunPanel:
         # (run, settings) of a run the Run button started and no cell has checked yet
         self._unchecked_click = None
         self.plot = LiveFrame(metrics, x=x)
+        self.last_update = None   # the monitor.Update shown last: what the views drew
         self.status, self.status_text, self.log_text, self._monitor, self._waiting = "idle", "", "", None, False
         self._lock = threading.RLock()   # one poll (and draw) at a time: thread or wait()
         self.inputs = {name: _option_widget(name, value) for name, value in self.options.items()}
@@ -313,6 +315,7 @@ class RunPanel:
             self.error, self.last_run = None, run
             self.runs.append(run.run_dir)
             self._monitor = monitor.Monitor(run)
+            self.last_update = None
             self.plot.reset(t0=run.config.get("start_unix"))
             self._set_busy(True)
             self._set_status("running", monitor.running_text(run))
@@ -375,7 +378,8 @@ class RunPanel:
             try:
                 self._set_log(u.log)
                 self.resources_html.value = html.escape(u.resources)  # who is slow, memory, GPU use
-                self.plot.update(u.rows, monitor.title(run), final=u.ended)
+                self.plot.update(u.rows, monitor.title(run), final=u.ended, times=u.times)
+                self.last_update = u
             finally:  # whatever the plot did, the buttons and status must be right
                 self._set_status(u.state, u.text)
                 if u.ended:
