@@ -3,6 +3,7 @@ solution, and the one claim the notebook only computes in arithmetic, checked on
 ranks: a loss all-reduced by hand before backward gives gradients divided twice."""
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -139,3 +140,25 @@ def test_loss_reduced_by_hand_divides_the_gradients_twice(tmp_path):
     ratio = json.loads(out.stdout.split("RATIO", 1)[1].splitlines()[0].strip())
     assert all(math.isclose(r, 2.0, rel_tol=1e-9) for r in ratio), ratio      # 2 ranks: half of one process's
     assert "WARNED True" in out.stdout, out.stdout
+
+
+def test_fine_print_folds_and_lesson_text():
+    folds = 0
+    for cell in cells():
+        text = source(cell)
+        if cell["cell_type"] != "markdown":
+            continue
+        if "<details>" in text:
+            assert text.startswith("<details><summary>") and "</summary>\n\n" in text, text[:80]
+            assert text.rstrip().endswith("</details>"), text[-80:]
+            folds += text.startswith("<details><summary>Under the hood: ")
+        else:
+            prose = "\n".join(l for l in re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
+                              if not l.lstrip().startswith("|"))                       # tables aside
+            prose = re.sub(r"`[^`]*`", "", re.sub(r"\]\([^)]*\)", "]", prose))
+            depth = 0
+            for ch in prose:
+                depth = max(depth + (ch == "(") - (ch == ")"), 0)
+                assert depth <= 1, f"parentheses inside parentheses: {prose[:200]}"
+    assert folds >= 3
+    assert "(../docs/glossary.md)" in source(cells()[0])

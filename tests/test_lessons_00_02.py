@@ -1,6 +1,7 @@
 """The key claims of notebooks 00-02, checked without a kernel, and an exercise with a
 checker and a solution in each. Their DDP counterparts (notebook 03c): tests/test_lesson_03c.py."""
 import json
+import re
 import math
 import warnings
 from pathlib import Path
@@ -128,3 +129,36 @@ def test_dp_chunk_sizes_solution(batch, devices):
     size = -(-batch // devices)
     expected = [min(size, batch - start) for start in range(0, batch, size)]
     assert expected == [len(c) for c in torch.empty(batch).chunk(devices)]
+
+
+# -- form: lesson first, fine print folded -----------------------------------------------------
+
+def _nested_parentheses(text):
+    text = re.sub(r"`[^`]*`", "", re.sub(r"\]\([^)]*\)", "]", text))     # code spans and link targets aside
+    depth = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth > 1:
+            return True
+        depth = max(depth, 0)
+    return False
+
+
+@pytest.mark.parametrize("name", ["01_data_parallel.ipynb", "02_loss_averaging.ipynb"])
+def test_fine_print_folds_and_lesson_text(name):
+    folds = 0
+    for cell in cells(name):
+        text = source(cell)
+        if cell["cell_type"] != "markdown":
+            continue
+        if "<details>" in text:
+            # JupyterLab folds a <details> only when it opens the cell, with a blank line after the summary
+            assert text.startswith("<details><summary>") and "</summary>\n\n" in text, text[:80]
+            assert text.rstrip().endswith("</details>"), text[-80:]
+            folds += text.startswith("<details><summary>Under the hood: ")
+        else:
+            prose = re.sub(r"```.*?```", "", text, flags=re.S)
+            prose = "\n".join(l for l in prose.splitlines() if not l.lstrip().startswith("|"))   # tables aside
+            assert not _nested_parentheses(prose), prose[:200]
+    assert folds >= 1
+    assert "(../docs/glossary.md)" in source(cells(name)[0])
