@@ -1,16 +1,14 @@
 """The key claims of notebooks 00-02, checked without a kernel, and an exercise with a
-checker and a solution in each."""
+checker and a solution in each. Their DDP counterparts (notebook 03c): tests/test_lesson_03c.py."""
 import json
+import re
 import math
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
 from ddp_lesson import simulate
 
@@ -82,54 +80,31 @@ def test_sum_then_divide_does_not_depend_on_device_count(batch):
     assert math.isclose(values[0], losses.mean().item(), rel_tol=1e-6)
 
 
-def _ddp_gradient(net, X, Y, sizes, rank_loss):
-    grads = []
-    for xs, ys in zip(X.split(sizes), Y.split(sizes)):
-        net.zero_grad()
-        rank_loss(F.mse_loss(net(xs), ys, reduction="none").flatten(), len(X), len(sizes)).backward()
-        grads.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
-    return torch.stack(grads).mean(0)        # what DDP's all-reduce average produces
+def _mean_of_means_weights(batch, n_devices):
+    # 02's exercise solution: k chunks of DP's sizes, a sample in a chunk of c weighs 1 / (k * c)
+    size = -(-batch // n_devices)
+    chunks = [min(size, batch - start) for start in range(0, batch, size)]
+    return [1 / (len(chunks) * c) for c in chunks for _ in range(c)]
 
 
-def test_ddp_gradient_average_exact_when_even_biased_when_uneven_fixed_by_weighting():
-    torch.manual_seed(0)
-    X, Y = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 1, dtype=torch.float64)
-    net = nn.Linear(4, 1).double()
-    net.zero_grad()
-    F.mse_loss(net(X), Y).backward()
-    want = torch.cat([p.grad.flatten() for p in net.parameters()])
-    mean = lambda losses, n, world: losses.mean()
-    weighted = lambda losses, n, world: losses.sum() * world / n
-    assert torch.allclose(_ddp_gradient(net, X, Y, [5, 5], mean), want)
-    assert not torch.allclose(_ddp_gradient(net, X, Y, [6, 4], mean), want)
-    assert torch.allclose(_ddp_gradient(net, X, Y, [6, 4], weighted), want)
-    assert torch.allclose(_ddp_gradient(net, X, Y, [5, 2, 2, 1], weighted), want)
+@pytest.mark.parametrize("batch,n", [(3, 2), (5, 4), (6, 4), (7, 3), (1, 8), (24, 8)])
+def test_mean_of_means_weights_match_autograd(batch, n):
+    losses = torch.rand(batch, dtype=torch.float64, requires_grad=True)
+    torch.stack([c.mean() for c in losses.chunk(n)]).mean().backward()
+    assert torch.allclose(torch.tensor(_mean_of_means_weights(batch, n), dtype=torch.float64), losses.grad)
+    if batch == 5 and n == 4:       # an idle device: dividing by n_devices instead of 3 chunks is wrong
+        assert not math.isclose(losses.grad[-1].item(), 1 / (n * 1))
 
 
-# -- 02: metrics ------------------------------------------------------------------------------
-
-def test_padded_sampler_accuracy_is_wrong_and_summed_counts_are_right():
-    n, world = 10, 4
-    right = torch.tensor([1, 1, 0, 0, 0, 1, 0, 0, 1, 1], dtype=torch.bool)
-    data = TensorDataset(torch.arange(n))
-    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=False) for r in range(world)]
-    padded_way = sum(right[list(s)].sum().item() for s in samplers) / samplers[0].total_size
-    assert samplers[0].total_size == 12 and padded_way == 7 / 12
-    shards = [list(range(r, n, world)) for r in range(world)]
-    assert sorted(i for s in shards for i in s) == list(range(n))      # every sample once
-    mean_of_accuracies = sum(right[s].float().mean().item() for s in shards) / world
-    counts = torch.tensor([[right[s].sum().item(), len(s)] for s in shards]).sum(0)
-    assert not math.isclose(mean_of_accuracies, 0.5)
-    assert (counts[0] / counts[1]).item() == 0.5 == right.float().mean().item()
-
-
-def test_distributed_sampler_pads_with_duplicates_and_drop_last_does_not():
-    nine = TensorDataset(torch.arange(9))
-    padded = [list(DistributedSampler(nine, num_replicas=2, rank=r, shuffle=False)) for r in range(2)]
-    assert sorted(padded[0] + padded[1]).count(0) == 2
-    dropped = [list(DistributedSampler(nine, num_replicas=2, rank=r, shuffle=False, drop_last=True))
-               for r in range(2)]
-    assert sorted(dropped[0] + dropped[1]) == list(range(8))
+def test_02_uses_no_ddp_before_notebook_03():
+    # DDP, its sampler and torch.distributed are introduced in 03; their averaging is 03c's
+    nb = cells("02_loss_averaging.ipynb")
+    code = "".join(source(c) for c in nb if c["cell_type"] == "code")
+    prose = "".join(source(c) for c in nb[:-1] if c["cell_type"] == "markdown")   # the Next link aside
+    for word in ("DistributedDataParallel", "DDP(", "DistributedSampler", "torch.distributed", "dist.",
+                 "set_epoch", "Join", "%%writefile", "RunPanel", "all_reduce"):
+        assert word not in code and word not in prose, word
+    assert "03_ddp_torchrun.ipynb" in source(cells("02_loss_averaging.ipynb")[-1])   # Next: 03
 
 
 # -- 01: DataParallel claims that need no GPU ---------------------------------------------------
@@ -154,3 +129,36 @@ def test_dp_chunk_sizes_solution(batch, devices):
     size = -(-batch // devices)
     expected = [min(size, batch - start) for start in range(0, batch, size)]
     assert expected == [len(c) for c in torch.empty(batch).chunk(devices)]
+
+
+# -- form: lesson first, fine print folded -----------------------------------------------------
+
+def _nested_parentheses(text):
+    text = re.sub(r"`[^`]*`", "", re.sub(r"\]\([^)]*\)", "]", text))     # code spans and link targets aside
+    depth = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth > 1:
+            return True
+        depth = max(depth, 0)
+    return False
+
+
+@pytest.mark.parametrize("name", ["01_data_parallel.ipynb", "02_loss_averaging.ipynb"])
+def test_fine_print_folds_and_lesson_text(name):
+    folds = 0
+    for cell in cells(name):
+        text = source(cell)
+        if cell["cell_type"] != "markdown":
+            continue
+        if "<details>" in text:
+            # JupyterLab folds a <details> only when it opens the cell, with a blank line after the summary
+            assert text.startswith("<details><summary>") and "</summary>\n\n" in text, text[:80]
+            assert text.rstrip().endswith("</details>"), text[-80:]
+            folds += text.startswith("<details><summary>Under the hood: ")
+        else:
+            prose = re.sub(r"```.*?```", "", text, flags=re.S)
+            prose = "\n".join(l for l in prose.splitlines() if not l.lstrip().startswith("|"))   # tables aside
+            assert not _nested_parentheses(prose), prose[:200]
+    assert folds >= 1
+    assert "(../docs/glossary.md)" in source(cells(name)[0])
