@@ -25,12 +25,12 @@ LONG_FIRST = [
     "notebooks/09_collectives_and_ddp_from_scratch.ipynb", "notebooks/03b_ddp_equals_one_process.ipynb",
     "notebooks/05_gradient_accumulation.ipynb", "notebooks/04_sync_batchnorm.ipynb",
     "notebooks/08_multi_node.ipynb", "notebooks/06_scaling_and_performance.ipynb",
-    "notebooks/03_ddp_torchrun.ipynb", "tests/test_lessons_03_05.py", "tests/test_lesson_09.py",
+    "notebooks/03_ddp_torchrun.ipynb", "notebooks/03c_averaging_in_ddp.ipynb", "tests/test_lessons_03_05.py", "tests/test_lesson_09.py",
     "tests/test_launch.py", "tests/test_browser.py", "tests/test_lesson_10.py", "tests/test_world_size.py",
     "tests/test_world_abuse.py", "tests/test_launch_stress.py", "notebooks/00_start_here.ipynb",
 ]
 
-RERUN = {"02_loss_averaging.ipynb", "03_ddp_torchrun.ipynb", "03b_ddp_equals_one_process.ipynb",
+RERUN = {"03_ddp_torchrun.ipynb", "03b_ddp_equals_one_process.ipynb", "03c_averaging_in_ddp.ipynb",
          "04_sync_batchnorm.ipynb",
          "05_gradient_accumulation.ipynb"}
 NPROC = 3
