@@ -124,7 +124,7 @@ def test_layers_to_buckets_colours_each_parameter_by_its_bucket():
     drawn_params = [label for _, _, label, _ in drawn if label in params]
     assert drawn_params == params                           # registration order, top down
     assert f"bucket 0\n{len(params)} parameters" in colour_of
-    assert "bucket 0 holds the last layer: reverse registration order" in texts(fig)
+    assert "bucket 0 holds the last layer: layers in reverse registration order" in texts(fig)
 
 
 def test_layers_to_buckets_planted_wrong_assignment_shows():

@@ -63,14 +63,19 @@ def all_reduce_before_after(before, after, what="values", title="all_reduce: bef
     return fig
 
 
+def _layer(name):
+    return name.rsplit(".", 1)[0]    # "3.weight" -> "3": the module that owns the parameter
+
+
 def bucket_order_verdict(params, buckets):
-    """Whether the buckets, read in all-reduce order, hold the parameters in reverse
-    registration order (the order backward produces them for a model used front to back)."""
+    """Whether the buckets, read in all-reduce order, hold the layers in reverse registration
+    order (the order backward produces them for a model used front to back). Within one layer
+    the order of weight and bias is backward's, so only the layers are compared."""
     flat = [p for b in buckets for p in b]
     if sorted(flat) != sorted(params):
         return "the buckets do not hold each parameter exactly once"
-    if flat[::-1] == list(params):
-        return "bucket 0 holds the last layer: reverse registration order"
+    if [_layer(p) for p in flat] == [_layer(p) for p in reversed(params)]:
+        return "bucket 0 holds the last layer: layers in reverse registration order"
     return "not in reverse registration order"
 
 
