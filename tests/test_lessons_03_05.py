@@ -2,12 +2,18 @@
 
 The notebooks run under nbval at 2 ranks and again at 3 (CI), and assert every claim of
 their check scripts and lesson scripts on those runs, so no test here launches them again:
+- DDP's all-reduce leaves the mean of the ranks' own gradients, not their sum, on every rank
+  (ddp_equivalence.py): 03b cell 03b-allreduce;
 - DDP equals one process every step, DDP(...) broadcasts rank 0's weights, set_epoch and
   disjoint shards (ddp_equivalence.py): 03b cell 03-13 (03b runs its three check scripts in
-  one launch, checks_03b.py);
+  one launch, checks_03b.py); set_epoch on real samplers at the run's world size: 03 cell 03-10;
 - find_unused_parameters' error (find_unused.py): 03b cell 03-15;
+- which parameters land in which bucket, one bucket in the first backward (ddp_checks.py):
+  03b cell 03b-buckets;
 - the bucket timeline, overlap, buffers, map_location (ddp_checks.py): 03b cells 03b-timeline
   and 03-14b (and tests/test_world_size.py at 3 ranks);
+- the exercise's solution cell leaves the learner's `passed` alone: 03 cell 03-ex5;
+The pictures of those cells are tested in tests/test_diagrams_collectives.py.
 - SyncBN equals BN over the concatenated batch (syncbn_stats.py): 04 cell 04-08;
 - accumulation exact without BN and not with it, one all-reduce per step with no_sync, the
   same weights (accum_nosync.py): 05 cell 05-10;

@@ -5,7 +5,8 @@
    gradient (the last one backward computes) is ready. With small buckets the first
    all-reduce starts before backward is done; with one bucket for the whole model it cannot.
    (The first iteration always uses one bucket; DDP rebuilds the buckets at the second
-   forward, so we time the third backward.)
+   forward, so we time the third backward.) The hook also records which parameters each
+   bucket holds (GradBucket.parameters()), in the first backward and the third.
 2. Buffers are broadcast: BatchNorm's running statistics drift apart on ranks that see
    different data; with forward_sync_buffers=True (the default) a training forward that
    follows a synced training forward starts from rank 0's buffers, with False each rank keeps
@@ -30,11 +31,13 @@ def overlap(device, ids, bucket_cap_mb):
     torch.manual_seed(0)
     layers = [nn.Linear(512, 512) for _ in range(8)]  # 1 MiB of weights each
     model = DDP(nn.Sequential(*layers).to(device), device_ids=ids, bucket_cap_mb=bucket_cap_mb)
-    stamps = {"launch": {}, "done": {}, "first_layer_grad": None}
+    names = {p: n for n, p in model.module.named_parameters()}
+    stamps = {"launch": {}, "done": {}, "first_layer_grad": None, "params": {}}
 
     def hook(state, bucket):  # state: what register_comm_hook was given (None here)
         i = bucket.index()    # buckets may finish out of order: key the stamps by bucket
         stamps["launch"][i] = time.perf_counter()
+        stamps["params"][i] = [names[p] for p in bucket.parameters()]  # which parameters it holds
         fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
 
         def finished(f):
@@ -46,6 +49,7 @@ def overlap(device, ids, bucket_cap_mb):
     layers[0].weight.register_hook(
         lambda g: stamps.__setitem__("first_layer_grad", time.perf_counter()))
     x = torch.randn(64, 512, device=device)
+    first_buckets = None
     for _ in range(3):  # the first step builds the buckets; time the last one
         stamps["launch"].clear()
         stamps["done"].clear()
@@ -53,13 +57,17 @@ def overlap(device, ids, bucket_cap_mb):
         loss = model(x).square().mean()
         start = time.perf_counter()
         loss.backward()
+        if first_buckets is None:  # the first backward's buckets, before DDP rebuilds them
+            first_buckets = [stamps["params"][i] for i in sorted(stamps["params"])]
     order = sorted(stamps["launch"], key=stamps["launch"].get)  # bucket indices, by launch time
     lead_ms = 1000 * (stamps["first_layer_grad"] - stamps["launch"][order[0]])
     # for a picture: seconds since backward started (the last layer's bucket comes first)
     timeline = {"backward_end": stamps["first_layer_grad"] - start,
                 "all_reduces": [[stamps["launch"][i] - start, stamps["done"][i] - start] for i in order]}
     return {"buckets": len(stamps["launch"]), "first_all_reduce_before_backward_done_ms": lead_ms,
-            "timeline": timeline}
+            "timeline": timeline, "params": list(names.values()),  # in registration order
+            "bucket_params": [stamps["params"][i] for i in sorted(stamps["params"])],
+            "first_step_bucket_params": first_buckets}
 
 
 def buffers_broadcast(device, ids, rank, world, sync, no_grad_before_last=False):

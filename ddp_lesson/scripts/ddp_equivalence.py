@@ -4,6 +4,7 @@ Writes equivalence.json into the run directory (check() does the work; notebook 
 with ddp_checks.py and find_unused.py in one launch, checks_03b.py):
 - different seeds per rank -> different weights before DDP(...), equal after it;
 - weights allclose to the single-process reference after EVERY step (model without BN);
+- step 1: a few gradient values each rank computed on its own shard, and DDP's after backward;
 - DistributedSampler: without set_epoch every epoch repeats its shuffle, with it they differ.
 """
 import copy
@@ -44,12 +45,22 @@ def check(run_dir):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     images, labels = data.shapes(STEPS * PER_RANK * world, seed=7).tensors
     max_diff = []
+    local = copy.deepcopy(ddp.module)  # no DDP: its gradient is this rank's own, not all-reduced
     for step in range(STEPS):
         batch = slice(step * PER_RANK * world, (step + 1) * PER_RANK * world)
         x, y = images[batch], labels[batch]
         mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)  # this rank's share
         opt.zero_grad()
         F.cross_entropy(ddp(x[mine]), y[mine]).backward()
+        if step == 0:  # a few gradient values of the last layer: this rank's own, then DDP's
+            F.cross_entropy(local(x[mine]), y[mine]).backward()
+            own = local.classifier.bias.grad[:3].clone()
+            after = ddp.module.classifier.bias.grad[:3].clone()
+            grads = {"before": [torch.empty_like(own) for _ in range(world)],
+                     "after": [torch.empty_like(after) for _ in range(world)]}
+            dist.all_gather(grads["before"], own)
+            dist.all_gather(grads["after"], after)
+            grads = {k: [t.tolist() for t in v] for k, v in grads.items()}
         opt.step()
         ref_opt.zero_grad()
         F.cross_entropy(reference(x), y).backward()
@@ -82,6 +93,7 @@ def check(run_dir):
             "steps": max_diff,
             "allclose_every_step": all(s["allclose"] for s in max_diff),
             "rank0_shuffles": shuffles,
+            "first_step_grads": grads,  # classifier.bias.grad[:3] per rank, own and after DDP
             "epochs_repeat_without_set_epoch": len({tuple(e) for e in shuffles["without_set_epoch"]}) == 1,
             "epochs_differ_with_set_epoch": len({tuple(e) for e in shuffles["with_set_epoch"]}) == 3,
             # every sample on some rank; two ranks share a sample only where it was padded in
