@@ -22,8 +22,8 @@ What is counted: the graphs Dynamo hands the backend, one per call of the backen
    with aot_eager so are the graphs AOTAutograd makes of each: a forward and a backward graph
    per piece, and which parameters each piece takes. A comm hook records which parameters
    each of DDP's buckets held, eager and compiled: DDP rebuilds its buckets from the order the
-   gradients became ready, and a compiled piece's backward hands over all its gradients at once. --backend inductor on CPU
-   needs a C++ compiler and says so without one.
+   gradients became ready, and a compiled piece's backward hands over all its gradients at
+   once. --backend inductor on CPU needs a C++ compiler and says so without one.
 Writes compile.json; check(comp) is the notebook's check of it.
 --then SCRIPT ARGS runs a later section's script after this one, in the same ranks
 (ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
@@ -275,7 +275,8 @@ def check(comp):
     assert comp["no_split"]["graphs"] == 1                   # without the DDPOptimizer: one graph
     assert sum(split["ops_per_graph"]) == sum(comp["no_split"]["ops_per_graph"])  # same ops, cut up
     outer = comp["compile_of_ddp"]                           # the other order, the same module
-    assert outer["graphs"] == outer["ddp_buckets"] == split["graphs"] and outer["ops_per_graph"] == split["ops_per_graph"]
+    assert outer["graphs"] == outer["ddp_buckets"] == split["graphs"]
+    assert outer["ops_per_graph"] == split["ops_per_graph"]
     assert comp["compile_of_ddp_sequential"]["graphs"] == 0  # the bare nn.Sequential: nothing compiled
     # Tolerance: aot_eager runs the same kernels, inductor fuses and reorders float math.
     assert comp["max_loss_diff"] < 1e-4 and comp["max_weight_diff"] < 1e-4
