@@ -6,12 +6,17 @@ then the DCP save; the checkpoint is then loaded at 1 rank (the notebook loads a
 
 torch.compile's graph split (cell 10-13) is mirrored here at 3 ranks in a short run (3 steps):
 the graphs handed to aot_eager, AOTAutograd's forward and backward graphs, DDP's rebuilt
-buckets in the compiled run, the counting backend's orders. Not repeated here, because the
-notebook runs them at its own world size: mixed precision with fp16 and a GradScaler,
-clipped norm == max_norm (cell 10-05), the compress hooks' bytes on the wire and loss (10-09). The ring
-all-reduce's 2(N-1)/N at 3 ranks, which those bytes checks rest on, is checked here on the
-sharding run's DDP bytes (test_bytes_sent_zero_is_ddp_plus_broadcasts)."""
+buckets in the compiled run, the counting backend's orders. The ring all-reduce's 2(N-1)/N at
+3 ranks, which the compress hooks' bytes checks rest on, is checked here on the sharding run's
+DDP bytes (test_bytes_sent_zero_is_ddp_plus_broadcasts).
+
+The notebook's checks of sections 1, 2, 3 and 5 are the scripts' check() functions (cells
+10-05, 10-09, 10-13, 10-21 call them). Each is shown here to fail on a planted bug: the
+scripts of sections 1 and 2 run in this process, in a one-rank gloo group, as written and
+with the bug planted in their text or their hooks (no launch); the compile and checkpoint
+checks get the 3-rank launch's results with a planted wrong field."""
 import ast
+import copy
 import importlib
 import json
 import math
@@ -19,9 +24,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from ddp_lesson import chain, launch
-from ddp_lesson.lesson import SCRIPTS
+from ddp_lesson.lesson import SCRIPTS, load_script
 
 WORLD = 3
 STEPS = 2
@@ -78,6 +85,16 @@ def test_dcp_checkpoint_saved_at_3_loads_at_1(launched, tmp_path):
                        args=["--load", str(launched["ckpt"])], run_dir=tmp_path / "load", timeout=300)
     loaded = finished(run, "dcp_load.json")
     assert loaded["world_size"] == 1
+    dcp10 = load_script(SCRIPTS / "beyond_dcp.py")
+    dcp10.check(saved, loaded)                             # the notebook's cell 10-21, saved at 3, loaded at 1
+    # Planted: a load that kept the save's cut; a save where rank 0 held the whole model; a load
+    # at the save's own world size.
+    for planted, why in (({**loaded, "local_shapes": saved["local_shapes"]}, "at 1 ranks"),
+                         ({**loaded, "world_size": WORLD}, "the save's world size")):
+        with pytest.raises(AssertionError, match=why):
+            dcp10.check(saved, planted)
+    with pytest.raises(AssertionError, match=f"at {WORLD} ranks"):
+        dcp10.check({**saved, "local_shapes": saved["full_shapes"]}, loaded)
     assert loaded["max_diff_before_load"] > 1e-3
     assert loaded["max_diff_vs_saved"] == 0.0
     assert loaded["adam_steps_restored"] and all(s == STEPS for s in loaded["adam_steps_restored"])
@@ -106,16 +123,23 @@ def test_bytes_sent_zero_is_ddp_plus_broadcasts(launched):
 def test_compile_graphs_per_bucket_and_ddp_rebuilt_buckets(launched):
     v = finished(launched["run"], "compile.json")
     assert v["world_size"] == WORLD and v["backend"] == "aot_eager"
-    split, eager, compiled = v["split"], v["ddp_buckets"]["eager"], v["ddp_buckets"]["compiled"]
-    assert len(eager) > 1 and split["graphs"] == len(eager)               # one graph per bucket, handed over
-    assert split["aot_graphs"] == {"forward": split["graphs"], "backward": split["graphs"]}
-    assert compiled != eager                                               # DDP rebuilt other buckets
-    assert sorted(sum(compiled, [])) == sorted(sum(eager, []))             # every gradient, once
-    assert v["no_split"]["graphs"] == 1 and sum(v["no_split"]["ops_per_graph"]) == sum(split["ops_per_graph"])
-    outer = v["compile_of_ddp"]
-    assert outer["graphs"] == outer["ddp_buckets"] == split["graphs"] and outer["ops_per_graph"] == split["ops_per_graph"]
-    assert v["compile_of_ddp_sequential"]["graphs"] == 0
-    assert v["max_loss_diff"] < 1e-4 and v["max_weight_diff"] < 1e-4
+    compile10 = load_script(SCRIPTS / "beyond_compile.py")
+    compile10.check(v)                                     # the notebook's cell 10-13, at 3 ranks
+    names = sorted(sum(v["ddp_buckets"]["eager"], []))
+    assert sorted(sum(v["split"]["pieces"], [])) == names  # the pieces name every parameter once
+
+    # Planted: the pieces' parameters as the DDPOptimizer would NOT cut them (one piece, as
+    # with optimize_ddp=False); DDP's compiled buckets equal to the pieces (DDP using the splits).
+    one_piece = copy.deepcopy(v)
+    one_piece["split"]["pieces"] = [names]
+    with pytest.raises(AssertionError):
+        compile10.check(one_piece)
+    buckets_are_pieces = copy.deepcopy(v)
+    buckets_are_pieces["ddp_buckets"]["compiled"] = v["split"]["pieces"]
+    assert compile10.straddling(v["ddp_buckets"]["compiled"], v["split"]["pieces"])
+    assert compile10.straddling(v["split"]["pieces"], v["split"]["pieces"]) == []
+    with pytest.raises(AssertionError, match="layers"):
+        compile10.check(buckets_are_pieces)
 
 
 CHAIN_BODY = '''import argparse
@@ -208,3 +232,81 @@ def test_the_notebooks_launch_line_parses_through_every_script(monkeypatch):
     assert amp.precision == "fp16" and amp.max_norm == 0.2
     assert compress.steps == 24 and compile_.steps == 8 and shard.steps == 3
     assert dcp.save == "<ckpt.resolve()>" and dcp.load is None
+
+
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    """A one-rank gloo group in this process, and a run directory for the scripts' JSON."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("DDP_LESSON_RUN_DIR", str(run_dir))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield run_dir
+    dist.destroy_process_group()
+
+
+def planted(tmp_path, name, old, new):
+    """The course's script `name` with the text `old` (found exactly once) replaced by `new`."""
+    text = (SCRIPTS / name).read_text()
+    assert text.count(old) == 1, f"{name} no longer holds {old!r}"
+    path = tmp_path / "planted" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text.replace(old, new))
+    return load_script(path)
+
+
+AMP_ARGS = ["--precision", "fp16", "--steps", "2", "--accum-steps", "2", "--batch-size", "8", "--max-norm", "0.2"]
+UNSCALE = "        scaler.unscale_(opt)                               # 1. true gradients (no-op without fp16)\n"
+CLIP = "        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)  # 2. then clip\n"
+
+
+def amp_of(module, run_dir):
+    module.run(module.parse_args(AMP_ARGS), torch.device("cpu"))
+    return json.loads((run_dir / "amp.json").read_text())
+
+
+def test_amp_check_fails_on_the_wrong_clip_order(one_rank, tmp_path):
+    # Cell 10-05's check, on the script as written and with three planted bugs.
+    amp10 = load_script(SCRIPTS / "beyond_amp.py")
+    amp = amp_of(amp10, one_rank)
+    amp10.check(amp)
+    assert amp["scaler"] and all(s["scale"] > 1 for s in amp["steps"])
+    swapped = planted(tmp_path, "beyond_amp.py", UNSCALE + CLIP, CLIP + UNSCALE)      # clip, then unscale_
+    with pytest.raises(AssertionError, match="clipped before unscale_"):
+        amp10.check(amp_of(swapped, one_rank))
+    no_unscale = planted(tmp_path, "beyond_amp.py", UNSCALE, "")                      # scaler.step unscales
+    with pytest.raises(AssertionError, match="clipped before unscale_"):
+        amp10.check(amp_of(no_unscale, one_rank))
+    no_clip = planted(tmp_path, "beyond_amp.py", CLIP,                                 # the norm, not clipped
+                      CLIP.replace("clip_grad_norm_(model.parameters(), args.max_norm)",
+                                   "get_total_norm([p.grad for p in model.parameters()])"))
+    with pytest.raises(AssertionError, match="after clipping"):
+        amp10.check(amp_of(no_clip, one_rank))
+    # One rank cannot show ranks that differ: a missing all-reduce is planted in the record.
+    differ = copy.deepcopy(amp)
+    differ["steps"][-1]["same_on_all_ranks"] = False
+    with pytest.raises(AssertionError, match="different gradients"):
+        amp10.check(differ)
+
+
+def test_compress_check_fails_when_a_hook_does_not_compress(one_rank, monkeypatch):
+    # Cell 10-09's check, on the script as written (the notebook's 24 steps) and with the fp16
+    # hook planted as DDP's plain fp32 all-reduce.
+    compress10 = load_script(SCRIPTS / "beyond_compress.py")
+    compress10.run(compress10.parse_args(["--steps", "24"]), torch.device("cpu"))
+    compress10.check(json.loads((one_rank / "compress.json").read_text()))
+    monkeypatch.setitem(compress10.HOOKS, "fp16", compress10.default_hooks.allreduce_hook)
+    compress10.run(compress10.parse_args(["--steps", "3"]), torch.device("cpu"))
+    with pytest.raises(AssertionError, match="fp16: the hook sent"):
+        compress10.check(json.loads((one_rank / "compress.json").read_text()))
+
+
+def test_the_notebook_runs_the_scripts_checks():
+    # The checks above are the notebook's: its check cells call them on the runs' results.
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "10_beyond_ddp.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    for call in ('load_script(SCRIPTS / "beyond_amp.py").check(amp)',
+                 'load_script(SCRIPTS / "beyond_compress.py").check(compress)',
+                 "compile10.check(comp)",
+                 'load_script(SCRIPTS / "beyond_dcp.py").check(saved, loaded)'):
+        assert call in code, call

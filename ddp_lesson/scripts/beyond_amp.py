@@ -6,13 +6,16 @@ auto: bf16 on CPU ranks; fp16 with a GradScaler on GPUs. Per optimizer step:
   scaler.unscale_ (so clipping sees true gradients), clip_grad_norm_, scaler.step, update.
 (--precision fp16 runs the GradScaler on CPU ranks too.) Every rank all-gathers a fingerprint
 of its clipped gradient: equal on all ranks, because clipping runs after the all-reduce on
-the same averaged gradient. Writes amp.json.
+the same averaged gradient. Writes amp.json; check(amp) is the notebook's check of it: it
+unscales the norm backward left by hand and fails if clipping saw another norm (clip before
+unscale_) or did not bring it to min(norm, max_norm).
 --then SCRIPT ARGS runs a later section's script after this one, in the same ranks
 (ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
 """
 import argparse
 import contextlib
 import json
+import math
 import os
 
 import torch
@@ -87,6 +90,7 @@ def run(args, device):
                     logits = model(x)                      # matmuls/convs in low precision
                     loss = F.cross_entropy(logits, y) / k  # cross_entropy autocasts to fp32
                 scaler.scale(loss).backward()              # grads land in fp32 .grad (fp32 weights)
+        scaled_norm = fingerprint(model)[0].item()         # what backward left: S x the true norm
         scaler.unscale_(opt)                               # 1. true gradients (no-op without fp16)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)  # 2. then clip
         prints = fingerprint(model)
@@ -98,7 +102,7 @@ def run(args, device):
         opt.zero_grad(set_to_none=True)
         same = all(torch.equal(g, gathered[0]) for g in gathered)
         metrics.log(step, loss=loss.item() * k, grad_norm=norm.item())
-        out["steps"].append({"loss": loss.item() * k, "norm_before_clip": norm.item(),
+        out["steps"].append({"loss": loss.item() * k, "scaled_norm": scaled_norm, "norm_before_clip": norm.item(),
                              "norm_after_clip": prints[0].item(), "same_on_all_ranks": same,
                              "scale": scale, "stepped": not (scaler.is_enabled() and scaler.get_scale() < scale)})
     out["activation_dtype"] = str(logits.dtype)
@@ -107,6 +111,24 @@ def run(args, device):
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "amp.json"), "w") as f:
             json.dump(out, f, indent=1)
+
+
+def check(amp):
+    """The notebook's check of amp.json. The reference is the norm backward left, unscaled by
+    hand: clip_grad_norm_ must have seen that norm and brought it to min(norm, max_norm)."""
+    stepped = [s for s in amp["steps"] if s["stepped"]]   # the scaler skips steps that overflowed
+    assert stepped, "every step overflowed"
+    assert all(s["same_on_all_ranks"] for s in stepped), "the ranks stepped with different gradients"
+    if amp["scaler"]:                                      # S = 1 would hide the order
+        assert all(s["scale"] > 1 for s in stepped), [s["scale"] for s in stepped]
+    for s in stepped:
+        true = s["scaled_norm"] / s["scale"]               # the averaged gradient's true norm
+        assert math.isclose(s["norm_before_clip"], true, rel_tol=1e-4), \
+            f"clipping saw norm {s['norm_before_clip']:.4g}, the true one is {true:.4g}: clipped before unscale_?"
+        want = min(true, amp["max_norm"])
+        assert math.isclose(s["norm_after_clip"], want, rel_tol=1e-3), \
+            f"after clipping the norm is {s['norm_after_clip']:.4g}, not min({true:.4g}, max_norm) = {want:.4g}"
+    assert any(s["scaled_norm"] / s["scale"] > amp["max_norm"] for s in stepped), "clipping never acted"
 
 
 if __name__ == "__main__":

@@ -11,19 +11,20 @@ What is counted: the graphs Dynamo hands the backend, one per call of the backen
    DDP(compile(m)) with torch._dynamo.config.optimize_ddp = False, one. Both orders on a
    user-defined module. In compile(DDP(m)) Dynamo starts tracing DDP's forward (torch.compile
    wraps a torch.nn module so that it can) but breaks the graph inside it, at DDP's C++
-   logging/reducer calls and at _inside_ddp_forward (disabled for Dynamo); the user's forward,
-   called from there, is a new frame that Dynamo compiles. With a bare nn.Sequential that
-   frame is torch.nn code, which Dynamo skips as a frame, so no graph.
+   logging/reducer calls and at the context manager _inside_ddp_forward (disabled for Dynamo).
+   DDP's _run_ddp_forward calls the module inside `with self._inside_ddp_forward():`; the
+   user's forward, called there, is a new frame that Dynamo compiles. With a bare
+   nn.Sequential that frame is torch.nn code, which Dynamo skips as a frame, so no graph.
 2. Training: the compiled model trains like the eager one from the same start, within a
    stated tolerance. --backend auto: inductor on GPUs; aot_eager on CPU ranks (no C++ code
    generation, which took minutes on 2 busy cores). The training backend is wrapped the same
    way, so the graphs it was really given are counted too (one per bucket of eager DDP), and
    with aot_eager so are the graphs AOTAutograd makes of each: a forward and a backward graph
-   per piece. A comm hook records which parameters each of DDP's buckets held, eager and
-   compiled: DDP rebuilds its buckets from the order the gradients became ready, and a
-   compiled piece's backward hands over all its gradients at once. --backend inductor on CPU
-   needs a C++ compiler and says so without one.
-Writes compile.json.
+   per piece, and which parameters each piece takes. A comm hook records which parameters
+   each of DDP's buckets held, eager and compiled: DDP rebuilds its buckets from the order the
+   gradients became ready, and a compiled piece's backward hands over all its gradients at
+   once. --backend inductor on CPU needs a C++ compiler and says so without one.
+Writes compile.json; check(comp) is the notebook's check of it.
 --then SCRIPT ARGS runs a later section's script after this one, in the same ranks
 (ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
 """
@@ -63,7 +64,8 @@ def parse_args(argv=None):
 
 class MLP(nn.Module):
     """A user-defined module, as real models are: its forward is not torch.nn code, so Dynamo
-    starts a frame there when DDP's _inside_ddp_forward (disabled for Dynamo) calls it."""
+    starts a frame there when DDP's _run_ddp_forward calls it, inside the context manager
+    _inside_ddp_forward (disabled for Dynamo)."""
     def __init__(self, hidden):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(3 * 16 * 16, hidden), nn.Linear(hidden, hidden),
@@ -98,12 +100,15 @@ def count_buckets(state, bucket):
     return allreduce_hook(None, bucket)
 
 
-def counting(graphs, then=None, aot=None):
+def counting(graphs, then=None, aot=None, pieces=None):
     """A backend that notes the ops of each graph Dynamo hands it, then compiles the graph with
     the backend named `then`, or (None) runs it as it is. aot: a dict to count the forward and
-    backward graphs AOTAutograd makes of each graph under aot_eager."""
+    backward graphs AOTAutograd makes of each graph under aot_eager. pieces: a Buckets state,
+    to note the parameters each graph takes."""
     def backend(gm, example_inputs):
         graphs.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+        if pieces is not None:
+            pieces.seen.append(parameters_of(gm, pieces.names))
         if then is None:
             return gm.forward
         if then == "aot_eager" and aot is not None:
@@ -111,6 +116,14 @@ def counting(graphs, then=None, aot=None):
                              bw_compiler=noting(aot, "backward"))
         return torch._dynamo.lookup_backend(then)(gm, example_inputs)
     return backend
+
+
+def parameters_of(gm, names):
+    """The parameters a graph takes as inputs, by name. Dynamo notes on each input node the
+    tensor it came from (GraphArg.example, torch/_dynamo/variables/builder.py)."""
+    taken = [n.meta["grapharg"].example for n in gm.graph.nodes
+             if n.op == "placeholder" and "grapharg" in n.meta]
+    return [names[id(t)] for t in taken if id(t) in names]
 
 
 def noting(aot, kind):
@@ -199,7 +212,8 @@ def run(args, device):
     for name in ("eager", "compiled"):
         net = copy.deepcopy(base)
         if name == "compiled":
-            net = torch.compile(net, backend=counting(graphs, then=backend, aot=aot))
+            pieces = Buckets(net)                          # the parameters each piece takes
+            net = torch.compile(net, backend=counting(graphs, then=backend, aot=aot, pieces=pieces))
         model = DDP(net, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
         state = Buckets(net)
         model.register_comm_hook(state, count_buckets)   # both runs: the same all-reduce
@@ -218,7 +232,7 @@ def run(args, device):
             losses[name].append(loss.item())
             buckets[name] = state.seen                     # the last step's (rebuilt) buckets
         weights[name] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
-    out["split"] = {"graphs": len(graphs), "ops_per_graph": graphs, "aot_graphs": aot}
+    out["split"] = {"graphs": len(graphs), "ops_per_graph": graphs, "aot_graphs": aot, "pieces": pieces.seen}
     out["ddp_buckets"] = buckets       # per training run: which parameters each bucket held
     out["losses"] = losses
     out["first_step_s"] = {k: v[0] for k, v in times.items()}        # compiled: includes compiling
@@ -238,6 +252,36 @@ def run(args, device):
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compile.json"), "w") as f:
             json.dump(out, f, indent=1)
+
+
+def straddling(buckets, pieces):
+    """The buckets that hold gradients of more than one piece."""
+    piece_of = {name: i for i, piece in enumerate(pieces) for name in piece}
+    return [b for b in buckets if len({piece_of[name] for name in b}) > 1]
+
+
+def check(comp):
+    """The notebook's check of compile.json."""
+    split, aot, ddp_buckets = comp["split"], comp["split"]["aot_graphs"], comp["ddp_buckets"]
+    eager_buckets = ddp_buckets["eager"]
+    assert len(eager_buckets) > 1                            # the small bucket cap made several buckets
+    assert split["graphs"] == len(eager_buckets)             # the backend was handed one graph per bucket,
+    pieces = split["pieces"]                                 # each with one bucket's parameters
+    assert sorted(map(sorted, pieces)) == sorted(map(sorted, eager_buckets)), (pieces, eager_buckets)
+    if aot is not None:                                      # aot_eager: AOTAutograd, per piece,
+        assert aot == {"forward": split["graphs"], "backward": split["graphs"]}   # a forward and a backward graph
+        # DDP's rebuilt buckets are not the pieces: some hold gradients of two pieces
+        assert straddling(ddp_buckets["compiled"], pieces), (ddp_buckets["compiled"], pieces)
+    assert comp["no_split"]["graphs"] == 1                   # without the DDPOptimizer: one graph
+    assert sum(split["ops_per_graph"]) == sum(comp["no_split"]["ops_per_graph"])  # same ops, cut up
+    outer = comp["compile_of_ddp"]                           # the other order, the same module
+    assert outer["graphs"] == outer["ddp_buckets"] == split["graphs"]
+    assert outer["ops_per_graph"] == split["ops_per_graph"]
+    assert comp["compile_of_ddp_sequential"]["graphs"] == 0  # the bare nn.Sequential: nothing compiled
+    # Tolerance: aot_eager runs the same kernels, inductor fuses and reorders float math.
+    assert comp["max_loss_diff"] < 1e-4 and comp["max_weight_diff"] < 1e-4
+    # it trains: the loss over every sample the ranks saw fell (one batch's loss is too noisy to tell)
+    assert comp["loss_on_all_samples"]["compiled"] < comp["loss_on_all_samples"]["start"]
 
 
 if __name__ == "__main__":

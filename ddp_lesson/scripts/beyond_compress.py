@@ -5,7 +5,7 @@ Trains the same model from the same start on the same data three times: DDP's de
 (fp32 all-reduce), fp16_compress_hook and bf16_compress_hook. A wrapper around each hook
 counts the bytes of the tensors it hands to dist.all_reduce, and on gloo the bytes this
 process really wrote to its sockets during backward (/proc/self/io), where DDP's all-reduces
-run and finish. Writes compress.json.
+run and finish. Writes compress.json; check(compress) is the notebook's check of it.
 --then SCRIPT ARGS runs a later section's script after this one, in the same ranks
 (ddp_lesson/chain.py): the notebook runs sections 1-5's scripts in one launch.
 """
@@ -40,7 +40,7 @@ class Counted:
     """Hook state: the real hook plus what it sent. The built-in hooks take the process
     group as their state; None means the default group."""
     def __init__(self, hook):
-        self.hook, self.calls, self.bytes = hook, 0, 0
+        self.hook, self.calls, self.bytes, self.dtypes = hook, 0, 0, set()
 
 
 def counting_hook(state, bucket):
@@ -49,6 +49,7 @@ def counting_hook(state, bucket):
     def all_reduce(tensor, *args, **kwargs):  # count the tensor the hook hands to the network
         state.calls += 1
         state.bytes += tensor.numel() * tensor.element_size()
+        state.dtypes.add(str(tensor.dtype))
         return real_all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = all_reduce
@@ -114,6 +115,7 @@ def run(args, device):
             metrics.log(step, **{f"loss_{name}": losses[-1]})
         weights[name] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
         out["runs"][name] = {"losses": losses, "allreduce_calls": state.calls, "bytes": state.bytes,
+                             "dtypes": sorted(state.dtypes),
                              "bytes_per_step": state.bytes / args.steps,
                              "wire_bytes_per_step": wire / args.steps if not use_cuda else None}
     for name in HOOKS:
@@ -121,6 +123,29 @@ def run(args, device):
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compress.json"), "w") as f:
             json.dump(out, f, indent=1)
+
+
+def check(compress):
+    """The notebook's check of compress.json."""
+    r, n = compress["runs"], compress["world_size"]
+    fp32 = r["fp32"]
+    assert fp32["dtypes"] == ["torch.float32"]
+    # DDP hands every gradient to the hook once per step, in buckets: 4 bytes each in fp32
+    assert fp32["bytes_per_step"] == compress["gradient_bytes"], (fp32["bytes_per_step"], compress["gradient_bytes"])
+    for name, dtype in (("fp16", "torch.float16"), ("bf16", "torch.bfloat16")):
+        v = r[name]
+        assert v["dtypes"] == [dtype], f"{name}: the hook sent {v['dtypes']}, not {dtype}"
+        assert 2 * v["bytes_per_step"] == fp32["bytes_per_step"], f"{name}: not half fp32's bytes"
+        assert 0 < v["max_weight_diff_vs_fp32"] < 1e-1, name   # rounded, so not identical, but close
+        assert abs(v["losses"][-1] - fp32["losses"][-1]) < 0.05, name   # and the loss curve follows
+    if fp32["wire_bytes_per_step"] is not None and n > 1:     # gloo: bytes written, measured
+        ring = 2 * (n - 1) / n * compress["gradient_bytes"]   # a ring all-reduce of every fp32 gradient
+        assert ring <= fp32["wire_bytes_per_step"] <= 1.02 * ring + 2048, fp32["wire_bytes_per_step"]
+        for name in ("fp16", "bf16"):                         # half the bytes on the wire
+            ratio = r[name]["wire_bytes_per_step"] / fp32["wire_bytes_per_step"]
+            assert 0.45 <= ratio <= 0.55, (name, ratio)
+    first, last = fp32["losses"][:5], fp32["losses"][-5:]
+    assert sum(last) / 5 < sum(first) / 5 - 0.1, "the model did not learn"
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@
 An FSDP2 model holds 1/N of every parameter per rank. Saving it the lesson-03 way (rank 0
 calls torch.save) would keep only rank 0's shards. dcp.save has every rank write its own
 shards plus one metadata file that says where each piece of each tensor lives, so dcp.load
-can re-cut the pieces for any number of ranks. Writes dcp_save.json / dcp_load.json.
+can re-cut the pieces for any number of ranks. Writes dcp_save.json / dcp_load.json;
+check(saved, loaded) is the notebook's check of the two.
 The notebook runs the save as the end of one launch (... --then beyond_dcp --save DIR, see
 ddp_lesson/chain.py) after sections 1-4's scripts, in the same ranks.
 """
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -86,7 +88,7 @@ def run(args, device):
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.save(state, checkpoint_id=args.save)        # every rank writes its own shards
         reference = full_state(model)                     # for the check at load time only
-        mine = {k: v.to_local().numel() for k, v in model.state_dict().items()}  # rank 0's share
+        mine = {k: v.to_local() for k, v in model.state_dict().items()}  # rank 0's share
         if rank == 0:
             torch.save(reference, os.path.join(args.save, "reference_full.pt"))
         moments = full_moments(model, opt)                # a collective: every rank calls it
@@ -94,7 +96,9 @@ def run(args, device):
             torch.save(moments, os.path.join(args.save, "reference_moments.pt"))
             out = {"world_size": world, "steps": args.steps, "files": sorted(os.listdir(args.save)),
                    "floats_total": sum(v.numel() for v in reference.values()),
-                   "floats_on_rank0": sum(mine.values())}
+                   "floats_on_rank0": sum(v.numel() for v in mine.values()),
+                   "full_shapes": {k: list(v.shape) for k, v in reference.items()},
+                   "local_shapes": {k: list(v.shape) for k, v in mine.items()}}
             with open(os.path.join(run_dir, "dcp_save.json"), "w") as f:
                 json.dump(out, f, indent=1)
     else:
@@ -122,6 +126,25 @@ def run(args, device):
                    "local_shapes": {k: list(v.to_local().shape) for k, v in model.state_dict().items()}}
             with open(os.path.join(run_dir, "dcp_load.json"), "w") as f:
                 json.dump(out, f, indent=1)
+
+
+def check(saved, loaded):
+    """The notebook's check of dcp_save.json and dcp_load.json: saved at N ranks, loaded at another."""
+    n_save, n_load = saved["world_size"], loaded["world_size"]
+    assert n_load != n_save, "the load ran at the save's world size"
+    shard_files = [f for f in saved["files"] if f.endswith(".distcp")]
+    assert len(shard_files) == n_save and ".metadata" in saved["files"]   # one file per saving rank
+    for name, full in saved["full_shapes"].items():        # rank 0 held ceil(rows / N) rows, at each end
+        for n, local in ((n_save, saved["local_shapes"][name]), (n_load, loaded["local_shapes"][name])):
+            assert local == [math.ceil(full[0] / n)] + full[1:], f"{name}: {local} at {n} ranks, full {full}"
+    assert loaded["max_diff_before_load"] > 1e-3                           # the new model started elsewhere
+    assert loaded["max_diff_vs_saved"] == 0.0                              # the weights came back exactly
+    assert loaded["adam_steps_restored"]                                   # optimizer state too: the
+    assert all(s == saved["steps"] for s in loaded["adam_steps_restored"])  # step counts the save reached,
+    assert loaded["adam_moments_restored"] and loaded["max_moment_diff_vs_saved"] == 0.0   # Adam's moments,
+    assert loaded["min_moment_abs_max"] > 0                                 # which were not all zero
+    if n_save > 1:                                                         # rank-0 torch.save would lose the rest
+        assert saved["floats_on_rank0"] < saved["floats_total"]
 
 
 if __name__ == "__main__":
