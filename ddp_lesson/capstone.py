@@ -65,16 +65,18 @@ def check_throughput(rows, world, global_batch, block, flops_per_token, peak):
 
 
 def scaling(one, many, key="cpu_s"):
-    """1 rank against N from the rows of two runs (steps 2-4, every rank). key: the ranks' CPU
-    time per step (CPU ranks: what load from other programs does not inflate) or step_s (GPUs).
-    The model: a fixed cost per step (the step minus its micro-batches, measured on 1 rank) plus
-    the micro-batches' cost, split over N ranks. Returns the figures and the threshold."""
+    """1 rank against N from the rows of two runs: the least time of steps 2-4 on any rank (other
+    programs can only add to a step's time, by taking its core or its caches). key: the ranks'
+    CPU time per step (CPU ranks: it does not count the waits for a core that load causes) or
+    step_s (GPUs). The model: a fixed cost per step (the step minus its micro-batches, measured
+    on 1 rank) plus the micro-batches' cost, split over N ranks. Returns the figures."""
     micro_key = "micro_cpu_s" if key == "cpu_s" else "micro_s"
-    pick = lambda rows, k: statistics.median(r[k] for r in rows if k in r and 1 < r["step"] <= 4)
+    rows_of = lambda rows: [r for r in rows if key in r and 1 < r["step"] <= 4]
     windows = lambda rows: {r["rank"]: r["windows"] for r in rows if "windows" in r}   # per rank per step
     n = len(windows(many))
-    t1, tn = pick(one, key), pick(many, key)
-    fixed = statistics.median(r[key] - r[micro_key] for r in one if key in r and 1 < r["step"] <= 4)
+    best = min(rows_of(one), key=lambda r: r[key])
+    t1, tn = best[key], min(r[key] for r in rows_of(many))
+    fixed = best[key] - best[micro_key]
     per_window = (t1 - fixed) / windows(one)[0]
     predicted = fixed + per_window * windows(many)[0]
     return {"N": n, "t1": t1, "tN": tn, "fixed": fixed, "predicted": predicted,

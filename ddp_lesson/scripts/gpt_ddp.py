@@ -116,9 +116,10 @@ class Block(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)      # (B, heads, T, T)
-        att = scores.masked_fill(~causal_mask(T, x.device), float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        # softmax(q kᵀ / sqrt(d_head)) v where the mask is True: PyTorch's fused attention, which
+        # does not keep the (B, heads, T, T) scores for the backward where a fused kernel runs
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, x.device))
+        x = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
         return x + self.mlp(self.ln2(x))
 
 
@@ -148,8 +149,8 @@ def flops_per_token(model, layers, width, block):
     """6N + 12 L T d, training FLOPs per token (forward 2, backward 4 per weight and token).
     N counts the weights that multiply: every Linear (the tied head once), not biases,
     LayerNorms or the position table. 12 L T d: the attention scores and their use on v,
-    over the full T x T (as nanoGPT and PaLM count it). The causal mask makes half of them
-    unused; this script still computes them, only fused attention kernels skip them."""
+    over the full T x T (as nanoGPT and PaLM count it), though the causal mask makes half of
+    them unused."""
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return 6 * n + 12 * layers * block * width
 
