@@ -184,13 +184,17 @@ FLOP_PER_CYCLE = [("amx_bf16", "bf16", 1024), ("avx512_bf16", "bf16", 128),
 
 
 def read_cpu():
-    """(the first "flags" line of /proc/cpuinfo, split; clock in MHz; where the clock is from)."""
-    info = open("/proc/cpuinfo").read()
-    flags = re.search(r"^flags\s*:(.*)$", info, re.M).group(1).split()
+    """(the first "flags" line of /proc/cpuinfo, split; clock in MHz; where the clock is from),
+    or None where there is no such file or line (macOS; ARM names its units otherwise)."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    flags, mhz = re.search(r"^flags\s*:(.*)$", info, re.M), re.search(r"^cpu MHz\s*:\s*([\d.]+)", info, re.M)
+    if not flags:
+        return None
+    flags = flags.group(1).split()
     max_freq = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"    # kHz, where the OS exposes it
     if os.path.exists(max_freq):
         return flags, int(open(max_freq).read()) / 1e3, max_freq
-    return flags, float(re.search(r"^cpu MHz\s*:\s*([\d.]+)", info, re.M).group(1)), "/proc/cpuinfo cpu MHz"
+    return (flags, float(mhz.group(1)), "/proc/cpuinfo cpu MHz") if mhz else None
 
 
 def cpu_peak(dtype, cores, flags, mhz):
@@ -214,6 +218,8 @@ def peak_rate(device, dtype):
         return None, f"no datasheet peak for {name} in {str(dtype).split('.')[-1]}: add it to DATASHEET_PEAK", {}
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cores = min(torch.get_num_threads(), len(os.sched_getaffinity(0)) / ranks_here)
+    if not read_cpu():
+        return None, "no CPU peak: no x86 flags and clock in /proc/cpuinfo", {}
     flags, mhz, clock_from = read_cpu()
     peak, inputs = cpu_peak(dtype, cores, flags, mhz)
     return peak, (f"CPU peak: {cores:g} core(s) x {mhz:.0f} MHz ({clock_from}) x {inputs['flop_per_cycle']} "
