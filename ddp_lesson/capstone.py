@@ -35,6 +35,38 @@ def check_attention(model, x, cut, min_past=0.05):
     return leak, past
 
 
+def saved_bytes(model, x, y):
+    """Bytes of the activations autograd keeps for the backward of one forward and loss on x, y:
+    every tensor saved for the backward, each storage once, the parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return sum(seen.values())
+
+
+def check_checkpointing(model, x, y):
+    """Activation checkpointing (model.checkpoint) keeps less than half the activations, and
+    the gradients it gives are the ones without it."""
+    grads, kept = {}, {}
+    for on in (False, True):
+        model.checkpoint = on
+        model.zero_grad()
+        kept[on] = saved_bytes(model, x, y)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        grads[on] = [p.grad.clone() for p in model.parameters()]
+    model.checkpoint = False
+    assert kept[True] < kept[False] / 2, f"checkpointing kept {kept[True]:,} bytes of {kept[False]:,}: it did not act"
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads[False], grads[True])), \
+        "the gradients with checkpointing differ"
+    return kept[False], kept[True]
+
+
 def check_peak(peak, rates):
     """No matmul can run faster than the hardware's peak: a peak below the fastest achievable
     rate measured on the same ranks is wrong (too few cores, a too slow clock or unit)."""

@@ -173,6 +173,18 @@ def test_attention_check_catches_a_broken_mask(monkeypatch):
         capstone.check_attention(model, x, 16)
 
 
+def test_checkpointing_check_fails_when_nothing_is_recomputed(monkeypatch):
+    torch.manual_seed(0)
+    model = gpt.GPT(2, 4, 64, 32)
+    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    plain, kept = capstone.check_checkpointing(model, x, y)
+    assert kept < plain / 2 and capstone.saved_bytes(model, x, y) == plain   # the flag is left off after
+    # planted: a checkpoint that runs the block as usual, keeping everything
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda fn, *args, **kw: fn(*args))
+    with pytest.raises(AssertionError, match="did not act"):
+        capstone.check_checkpointing(model, x, y)
+
+
 def test_gradient_without_the_division_by_micro_batches_is_off_by_accum():
     """What 11's step-1 gradient-norm check (section 6) catches, in one process: micro-batches
     of 2 windows, summed as the script does (loss / accum per micro-batch), against the mean

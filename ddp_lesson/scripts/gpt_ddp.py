@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=192, help="d_model")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing, block by block")
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="auto: fp16 + GradScaler on GPUs; bf16 on CPUs where it is faster than fp32")
@@ -124,8 +126,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers=2, heads=4, width=192, block=64, vocab=256):
+    def __init__(self, layers=2, heads=4, width=192, block=64, vocab=256, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint              # activation checkpointing: see forward
         self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(block, width)
         self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
         self.ln = nn.LayerNorm(width)
@@ -142,7 +145,12 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        return self.head(self.ln(self.blocks(x)))
+        for block in self.blocks:
+            if self.checkpoint and self.training:  # keep only the block's input; the backward reruns its forward
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.ln(x))
 
 
 def flops_per_token(model, layers, width, block):
@@ -341,7 +349,7 @@ def main():
     steps_per_epoch = len(train_set) // args.global_batch   # the same at any world size
 
     torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
-    model = GPT(args.layers, args.heads, args.width, args.block).to(device)
+    model = GPT(args.layers, args.heads, args.width, args.block, checkpoint=args.checkpoint).to(device)
     fpt = flops_per_token(model, args.layers, args.width, args.block)
     opt = make_optimizer(model, args.lr)
     step = 0
