@@ -97,8 +97,12 @@ def test_cpu_peak_is_cores_times_clock_times_the_widest_units():
 def test_a_wrong_peak_is_caught_by_a_matmul_faster_than_it():
     """Planted: this CPU taken for one with SSE only (8 FLOP/cycle). A 512x512 fp32 matmul on
     one thread beats that peak in at least one of 5 short windows; the real peak it does not."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rates = gpt.achievable_rate(torch.device("cpu"), torch.float32, 0.2)
+    try:
+        rates = gpt.achievable_rate(torch.device("cpu"), torch.float32, 0.2)
+    finally:
+        torch.set_num_threads(threads)
     flags, mhz, _ = gpt.read_cpu()
     real = gpt.cpu_peak(torch.float32, 1, flags, mhz)[0]
     assert capstone.check_peak(real, rates) <= real
