@@ -7,16 +7,19 @@ bucket layout that the scaling prediction assumes, and the global-batch checker 
 (refusals and crashes as the rank's guard records them)."""
 import contextlib
 import json
+import math
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import child_env
-from ddp_lesson import exercises, failures, launch, runs
+from ddp_lesson import capstone, exercises, failures, launch, runs
 from ddp_lesson.lesson import SCRIPTS, load_script
 
 pytestmark = pytest.mark.timeout(600)   # three small launches, two at once; a busy machine slows each
@@ -32,10 +35,16 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}   # a tiny model: more threads only cost t
 def test_flops_per_token_matches_flop_counter(layers, heads, width, block):
     model = gpt.GPT(layers, heads, width, block)
     x = torch.randint(0, 256, (3, block))
-    with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(x).view(-1, 256), x.view(-1)).backward()
-    counted = counter.get_total_flops() / x.numel()
-    assert abs(counted - gpt.flops_per_token(model, layers, width, block)) / counted < 1e-6
+    def count():
+        with FlopCounterMode(display=False) as counter:
+            F.cross_entropy(model(x).view(-1, 256), x.view(-1)).backward()
+        return counter.get_total_flops() / x.numel()
+    fused = count()                                    # SDPA's CPU kernel: not in torch 2.14's registry
+    with sdpa_kernel(SDPBackend.MATH):
+        counted = count()
+    formula = gpt.flops_per_token(model, layers, width, block)
+    assert abs(counted - formula) / counted < 1e-6
+    assert abs(fused - (formula - 12 * layers * block * width)) / counted < 1e-6
 
 
 # names as torch.cuda.get_device_name() (the CUDA driver's) reports them, upper and lower case as
@@ -62,12 +71,140 @@ def test_datasheet_peak_of_real_device_names():
     assert gpt.datasheet_peak("NVIDIA A100 80GB PCIe", torch.bfloat16) == 312e12
 
 
-def test_reference_rate_on_a_gpu_in_the_table_is_its_datasheet_peak(monkeypatch):
+def test_peak_rate_on_a_gpu_in_the_table_is_its_datasheet_peak(monkeypatch):
     """The datasheet branch reads only the device's name: it runs here without a GPU."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100 80GB PCIe")
-    peak, source, remeasure = gpt.reference_rate(torch.device("cuda", 0), torch.float16)
+    peak, source, inputs = gpt.peak_rate(torch.device("cuda", 0), torch.float16)
     assert peak == 312e12 and source.startswith("datasheet (NVIDIA A100 80GB PCIe"), source
-    assert remeasure is None   # a datasheet peak is not timed again after each step
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10G")
+    assert gpt.peak_rate(torch.device("cuda", 0), torch.float16)[0] is None     # not in the table: no MFU
+
+
+def test_cpu_peak_is_cores_times_clock_times_the_widest_units():
+    flags = lambda *f: ["fpu", "sse", "sse2", *f]
+    assert gpt.cpu_peak(torch.float32, 2, flags("avx", "avx2", "fma", "avx512f"), 2600)[0] == 2 * 2600e6 * 64
+    assert gpt.cpu_peak(torch.float32, 1, flags("avx", "avx2", "fma"), 3000)[0] == 3000e6 * 32
+    assert gpt.cpu_peak(torch.float32, 1, flags(), 1000)[0] == 1000e6 * 8
+    assert gpt.cpu_peak(torch.float32, 0.5, flags("fma", "avx512f", "amx_bf16"), 1000)[0] == 0.5e9 * 64   # fp32: no AMX
+    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "amx_bf16"), 1000)[0] == 1e9 * 1024
+    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "avx512_bf16"), 1000)[0] == 1e9 * 128
+    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma"), 1000)[0] == 1e9 * 32       # bf16 on the fp32 units
+    peak, source, inputs = gpt.peak_rate(torch.device("cpu"), torch.float32)      # this machine, every input shown
+    assert peak == inputs["cores"] * inputs["mhz"] * 1e6 * inputs["flop_per_cycle"] > 0, (source, inputs)
+    assert str(inputs["flop_per_cycle"]) in source and inputs["clock_from"] in source
+
+
+def test_a_wrong_peak_is_caught_by_a_matmul_faster_than_it():
+    """Planted: this CPU taken for one with SSE only (8 FLOP/cycle). A 512x512 fp32 matmul on
+    one thread beats that peak in at least one of 5 short windows; the real peak it does not."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = gpt.achievable_rate(torch.device("cpu"), torch.float32, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    flags, mhz, _ = gpt.read_cpu()
+    real = gpt.cpu_peak(torch.float32, 1, flags, mhz)[0]
+    assert capstone.check_peak(real, rates) <= real
+    if any(f in flags for f in ("fma", "avx512f")):
+        with pytest.raises(AssertionError, match="the peak is wrong"):
+            capstone.check_peak(gpt.cpu_peak(torch.float32, 1, ["sse"], mhz)[0], rates)
+
+
+def rows_of(world, step_s, gap, windows, fpt=1000.0, peak=1e9, steps=4, cpu_s=None, micro_cpu_s=None):
+    """Metric rows as gpt_ddp.py logs them: each rank's row every `gap` seconds, a step of step_s."""
+    out = []
+    for rank in range(world):
+        for s in range(1, steps + 1):
+            tps = windows * BLOCK / step_s
+            out.append({"rank": rank, "step": s, "time": 100 + s * gap, "windows": windows, "step_s": step_s,
+                        "tokens_per_s": tps, "mfu": fpt * tps / peak, "cpu_s": cpu_s or step_s,
+                        "micro_cpu_s": micro_cpu_s or 0.9 * (cpu_s or step_s), "micro_s": 0.9 * step_s})
+    return out
+
+
+def test_throughput_check_catches_figures_the_clock_does_not_back():
+    good = rows_of(2, 0.8, 1.0, G // 2)
+    assert capstone.check_throughput(good, 2, G, BLOCK, 1000.0, 1e9) == pytest.approx(0.8)
+    # planted: tokens/s counted over all ranks (x world), or a timer that misses most of the step
+    for r in (bad := rows_of(2, 0.8, 1.0, G // 2)):
+        r["tokens_per_s"] *= 2
+        r["mfu"] *= 2
+    with pytest.raises(AssertionError, match="too high"):
+        capstone.check_throughput(bad, 2, G, BLOCK, 1000.0, 1e9)
+    with pytest.raises(AssertionError, match="too high"):
+        capstone.check_throughput(rows_of(2, 0.3, 1.0, G // 2), 2, G, BLOCK, 1000.0, 1e9)
+    with pytest.raises(AssertionError, match="tokens took"):              # a step longer than its gap
+        capstone.check_throughput(rows_of(2, 1.2, 1.0, G // 2), 2, G, BLOCK, 1000.0, 1e9)
+    with pytest.raises(AssertionError, match="windows, not"):             # each rank ran the whole batch
+        capstone.check_throughput(rows_of(2, 0.8, 1.0, G), 2, G, BLOCK, 1000.0, 1e9)
+    with pytest.raises(AssertionError):                                   # FLOPs per token off by 2
+        capstone.check_throughput(good, 2, G, BLOCK, 2000.0, 1e9)
+
+
+def test_scaling_check_fails_without_a_speed_up():
+    one = rows_of(1, 0.13, 0.4, G, cpu_s=0.13, micro_cpu_s=0.124)        # 1 rank: 6 ms fixed, 124 ms of windows
+    two = rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.075, micro_cpu_s=0.069)   # measured here: 75 ms per rank
+    two[3]["cpu_s"] = 0.2                                                 # one step slowed by other programs
+    s = capstone.check_scaling(one, two)
+    assert s["N"] == 2 and s["predicted"] == pytest.approx(0.006 + 0.062) and s["threshold"] == pytest.approx(0.099)
+    three = rows_of(3, 0.4, 0.4, G // 3, cpu_s=0.05, micro_cpu_s=0.045)
+    assert capstone.check_scaling(one, three)["predicted"] == pytest.approx(0.006 + 0.124 / 3)
+    # planted: no speed-up, each of the 2 ranks as costly as the 1-rank step (all the work on each)
+    with pytest.raises(AssertionError, match="no speed-up"):
+        capstone.check_scaling(one, rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.13, micro_cpu_s=0.124))
+    # planted: some speed-up, but less than half the one predicted (each rank doing 7/8 of the work)
+    with pytest.raises(AssertionError, match="no speed-up"):
+        capstone.check_scaling(one, rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.15, micro_cpu_s=0.138))
+    with pytest.raises(AssertionError, match="no N to compare"):
+        capstone.check_scaling(one, rows_of(1, 0.13, 0.4, G, cpu_s=0.13, micro_cpu_s=0.124))
+
+
+def test_attention_check_catches_a_broken_mask(monkeypatch):
+    torch.manual_seed(0)
+    model = gpt.GPT(2, 4, 64, 32).eval()
+    x = torch.randint(0, 256, (4, 32))
+    leak, past = capstone.check_attention(model, x, 16)                     # causal, and it reads back
+    assert leak == 0 and past > 0.05
+    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.eye(T, dtype=torch.bool, device=device))
+    with pytest.raises(AssertionError, match="2 or more positions back"):  # each position sees only itself
+        capstone.check_attention(model, x, 16)
+    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device))
+    with pytest.raises(AssertionError, match="sees later bytes"):          # no mask at all
+        capstone.check_attention(model, x, 16)
+    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device).tril(1))
+    with pytest.raises(AssertionError, match="sees later bytes"):          # off by one: sees the next byte
+        capstone.check_attention(model, x, 16)
+
+
+def test_checkpointing_check_fails_when_nothing_is_recomputed(monkeypatch):
+    torch.manual_seed(0)
+    model = gpt.GPT(2, 4, 64, 32)
+    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    plain, kept = capstone.check_checkpointing(model, x, y)
+    assert kept < plain / 2 and capstone.saved_bytes(model, x, y) == plain   # the flag is left off after
+    # planted: a checkpoint that runs the block as usual, keeping everything
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda fn, *args, **kw: fn(*args))
+    with pytest.raises(AssertionError, match="did not act"):
+        capstone.check_checkpointing(model, x, y)
+
+
+def test_gradient_without_the_division_by_micro_batches_is_off_by_accum():
+    """What 11's step-1 gradient-norm check (section 6) catches, in one process: micro-batches
+    of 2 windows, summed as the script does (loss / accum per micro-batch), against the mean
+    loss in one piece; without / accum the norm is accum times too large."""
+    torch.manual_seed(0)
+    model = gpt.GPT(1, 2, 32, 16)
+    x = torch.randint(0, 256, (8, 16))
+    norm = lambda: torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    F.cross_entropy(model(x).view(-1, 256), x.view(-1)).backward()
+    whole = norm()
+    for divide in (True, False):
+        model.zero_grad()
+        for xb in x.split(2):
+            loss = F.cross_entropy(model(xb).view(-1, 256), xb.view(-1))
+            (loss / 4 if divide else loss).backward()
+        assert math.isclose(norm(), whole * (1 if divide else 4), rel_tol=1e-4)
 
 
 def test_ddp_buckets_are_one_then_rebuilt_as_the_notebook_predicts():
@@ -187,21 +324,33 @@ def test_resumed_on_one_rank_continues_the_three_rank_run(trio):
 def test_rows_carry_tokens_per_s_and_mfu(trio):
     rec = trio["a"]
     head = {r["rank"]: r for r in rec.rows if "peak_source" in r}
-    rows = [r for r in rec.rows if "mfu" in r]
-    t = {(r["rank"], r["step"]): r["time"] for r in rows}
-    # FLOPs per token from the formula on TINY's model, not the value the run logged
-    fpt = gpt.flops_per_token(gpt.GPT(1, 2, 32, BLOCK), 1, 32, BLOCK)
-    for r in rows:                          # a step is timed inside the gap since the rank's last row
-        if r["step"] > 1:
-            assert r["step_s"] <= t[r["rank"], r["step"]] - t[r["rank"], r["step"] - 1] + 1e-6
-        assert abs(r["tokens_per_s"] * r["step_s"] - r["windows"] * BLOCK) < 1e-6 * r["windows"] * BLOCK
-        assert head[r["rank"]]["flops_per_token"] == fpt
-        # each row's reference: the matmul timed right after that step
-        assert abs(r["mfu"] - fpt * r["tokens_per_s"] / r["peak_flops"]) <= 1e-9 * r["mfu"]
-    assert "after each step" in head[0]["peak_source"] and len({r["peak_flops"] for r in rows}) > 1
-    mfus = sorted(r["mfu"] for r in rows)   # 3 ranks on 2 cores: load hits the step and the matmul alike
-    assert 0 < mfus[len(mfus) // 2] <= 1, mfus
+    rows = [r for r in rec.rows if "step_s" in r]
+    model = gpt.GPT(1, 2, 32, BLOCK)                 # FLOPs per token counted by torch, not the formula
+    x = torch.randint(0, 256, (2, BLOCK))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x).view(-1, 256), x.view(-1)).backward()
+    counted = counter.get_total_flops() / x.numel()
+    assert all(h["flops_per_token"] == counted for h in head.values())
+    peak = head[0]["peak_flops"]
+    assert head[0]["cores"] == min(1, len(os.sched_getaffinity(0)) / 3)   # one thread, a third of 2 cores at most
+    capstone.check_throughput(rows, 3, G, BLOCK, counted, peak)
+    rates = [x for r in rec.rows if "achievable_flops" in r for x in r["achievable_flops"]]
+    assert len(rates) == 3 * 5 and capstone.check_peak(peak, rates)
+    assert all(0 < r["cpu_s"] and 0 < r["micro_cpu_s"] <= r["cpu_s"] for r in rows)
     assert exercises.check_global_batch(rec.path)                   # 12 windows per step, summed
+
+
+def test_global_batch_checked_at_two_world_sizes_rejects_a_constant(tmp_path):
+    """11's exercise: ACCUM = 6 (micro-batches of 4) gives 48 on 2 ranks, 72 on 3."""
+    two = fake_run(tmp_path / "two", [[24, 24]] * 2, asked=48, micro=4)
+    three = fake_run(tmp_path / "three", [[24, 24]] * 3, asked=48, micro=4)
+    assert exercises.check_global_batch(two)                        # one world size accepts it
+    with pytest.raises(AssertionError, match="one world size"):
+        capstone.check_global_batch_at([two])
+    with pytest.raises(AssertionError, match="not the 48 asked"):
+        capstone.check_global_batch_at([two, three])
+    right = fake_run(tmp_path / "right", [[16, 16]] * 3, asked=48, micro=4)
+    assert "3 rank(s)" in capstone.check_global_batch_at([two, right])
 
 
 def test_bf16_autocast_trains_near_fp32_and_samples(trio):
@@ -209,8 +358,9 @@ def test_bf16_autocast_trains_near_fp32_and_samples(trio):
     for key, tol in (("loss", 0.02), ("grad_norm", 0.05)):
         rb, rf = series(bf16, key), series(fp32, key)
         assert sorted(rb) == [1, 2] and all(abs(rb[s] - rf[s]) < tol * rf[s] for s in rb), (key, rb, rf)
-    # ... but not equal to it: autocast really ran in bf16 (fp32 at 1 vs 3 ranks differs ~1e-6)
-    rb, rf = series(bf16, "loss"), series(fp32, "loss")
+    # ... but not equal to it: autocast really ran in bf16 (fp32 at 1 vs 3 ranks differs ~1e-6). The
+    # gradient norm shows it (~1e-3); the loss barely does, its logits still near 0 at steps 1-2
+    rb, rf = series(bf16, "grad_norm"), series(fp32, "grad_norm")
     assert any(abs(rb[s] - rf[s]) > 1e-4 * rf[s] for s in rb), (rb, rf)
     # the prompt, then 8 generated bytes decoded with errors="replace": 2 to 8 characters (a
     # character is 1 to 4 bytes; an invalid byte becomes one U+FFFD)

@@ -15,10 +15,15 @@ import re
 import sysconfig
 import time
 
+# threads that wait for work sleep instead of spinning (OpenMP reads this when torch loads it): a
+# rank's CPU time is then its work, which section 6 compares across world sizes, and ranks that
+# share cores do not burn each other's time
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
@@ -33,8 +38,7 @@ from ddp_lesson import costmodel, metrics
 # fp32 unless torch.backends.cuda.matmul.allow_fp16_accumulation is set. The FLOP/s of autocast's
 # matmuls, not of fp32 ones. The T4 and V100 have no bf16 tensor cores: fp16 only (NO_BF16).
 # A GPU not in the table (A10G: no NVIDIA datasheet; GH200, H800, RTX A6000, a MIG slice...) gets no
-# datasheet peak: reference_rate() then times a 512x512 matmul on it, which on a GPU is bound by the
-# kernel launch, so that MFU comes out far too high; add the GPU's dense figure here instead.
+# peak and no MFU: add its dense figure here. A CPU's peak comes from the CPU itself: cpu_peak().
 DATASHEET_PEAK = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 NVL": 835e12,
                   "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12,
                   "L4": 121e12, "V100": 125e12, "V100 PCIe": 112e12, "V100S": 130e12,
@@ -54,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=192, help="d_model")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing, block by block")
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="auto: fp16 + GradScaler on GPUs; bf16 on CPUs where it is faster than fp32")
@@ -97,6 +102,11 @@ class Windows(Dataset):
 
 
 # -- the model: a decoder-only transformer (pre-LayerNorm, tied embeddings) -----------------
+def causal_mask(T, device):
+    """True where position i may look at position j: j <= i, itself and the bytes before it."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
 class Block(nn.Module):
     def __init__(self, width, heads):
         super().__init__()
@@ -108,16 +118,17 @@ class Block(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)      # (B, heads, T, T)
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = scores.masked_fill(~mask, float("-inf")).softmax(-1)             # causal
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        # softmax(q kᵀ / sqrt(d_head)) v where the mask is True: PyTorch's fused attention, which
+        # does not keep the (B, heads, T, T) scores for the backward where a fused kernel runs
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, x.device))
+        x = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, layers=2, heads=4, width=192, block=64, vocab=256):
+    def __init__(self, layers=2, heads=4, width=192, block=64, vocab=256, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint              # activation checkpointing: see forward
         self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(block, width)
         self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
         self.ln = nn.LayerNorm(width)
@@ -134,15 +145,20 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        return self.head(self.ln(self.blocks(x)))
+        for block in self.blocks:
+            if self.checkpoint and self.training:  # keep only the block's input; the backward reruns its forward
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.ln(x))
 
 
 def flops_per_token(model, layers, width, block):
     """6N + 12 L T d, training FLOPs per token (forward 2, backward 4 per weight and token).
     N counts the weights that multiply: every Linear (the tied head once), not biases,
     LayerNorms or the position table. 12 L T d: the attention scores and their use on v,
-    over the full T x T (as nanoGPT and PaLM count it). The causal mask makes half of them
-    unused; this script still computes them, only fused attention kernels skip them."""
+    over the full T x T (as nanoGPT and PaLM count it), though the causal mask makes half of
+    them unused."""
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return 6 * n + 12 * layers * block * width
 
@@ -166,20 +182,75 @@ def datasheet_peak(name, dtype=torch.float16):
     return None
 
 
-def reference_rate(device, dtype):
-    """(FLOP/s, where from, remeasure): a GPU's fp16/bf16 datasheet peak (remeasure None), else
-    the rate of a 512x512 matmul timed on this rank (an achieved rate, below the hardware's
-    peak) and a function that times it again (best of 3): each step's MFU takes the rate
-    measured right after it, with the same threads under the same load as the step."""
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+# FLOP per cycle per core of the widest multiply-add units the CPU flags name, fp32 unless said:
+# AVX-512 (avx512f): 2 FMA units x 16 fp32 lanes x 2 (a multiply and an add), as on server parts
+# (some client parts have 1 unit: half); AVX2 with FMA: 2 x 8 x 2; else SSE: a 4-lane multiply
+# and a 4-lane add per cycle. bf16: AMX (amx_bf16) 1024, as Intel states for its tile unit;
+# AVX512_BF16's dot product 2 x 16 x 2 x 2; else bf16 runs on the fp32 units.
+FLOP_PER_CYCLE = [("amx_bf16", "bf16", 1024), ("avx512_bf16", "bf16", 128),
+                  ("avx512f", "fp32", 64), ("fma", "fp32", 32), ("sse", "fp32", 8)]
+
+
+def read_cpu():
+    """(the first "flags" line of /proc/cpuinfo, split; clock in MHz; where the clock is from),
+    or None where there is no such file or line (macOS; ARM names its units otherwise)."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    flags, mhz = re.search(r"^flags\s*:(.*)$", info, re.M), re.search(r"^cpu MHz\s*:\s*([\d.]+)", info, re.M)
+    if not flags:
+        return None
+    flags = flags.group(1).split()
+    max_freq = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"    # kHz, where the OS exposes it
+    if os.path.exists(max_freq):
+        return flags, int(open(max_freq).read()) / 1e3, max_freq
+    return (flags, float(mhz.group(1)), "/proc/cpuinfo cpu MHz") if mhz else None
+
+
+def cpu_peak(dtype, cores, flags, mhz):
+    """(FLOP/s, inputs): cores x clock x FLOP/cycle of the widest multiply-add unit for dtype."""
+    kind = "bf16" if dtype == torch.bfloat16 else "fp32"
+    unit, per_cycle = next((f, n) for f, k, n in FLOP_PER_CYCLE
+                           if (f in flags or f == "sse") and (k == kind or k == "fp32"))
+    return cores * mhz * 1e6 * per_cycle, {"cores": cores, "mhz": mhz, "unit": unit, "flop_per_cycle": per_cycle}
+
+
+def peak_rate(device, dtype):
+    """(FLOP/s or None, where from, inputs): the hardware's peak for this rank, MFU's denominator.
+    A GPU: its dense fp16/bf16 datasheet figure (None if not in the table). A CPU: the cores
+    this rank may use (its threads, at most its share of the cores the OS lets the job run on)
+    x clock x FLOP/cycle of the widest multiply-add units the CPU's flags name."""
+    if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = datasheet_peak(name, dtype)
+        peak = datasheet_peak(name, dtype) if dtype in (torch.float16, torch.bfloat16) else None
         if peak:
-            return peak, f"datasheet ({name}, dense {str(dtype).split('.')[-1]})", None
-    n = 512
+            return peak, f"datasheet ({name}, dense {str(dtype).split('.')[-1]})", {}
+        return None, f"no datasheet peak for {name} in {str(dtype).split('.')[-1]}: add it to DATASHEET_PEAK", {}
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = min(torch.get_num_threads(), len(os.sched_getaffinity(0)) / ranks_here)
+    if not read_cpu():
+        return None, "no CPU peak: no x86 flags and clock in /proc/cpuinfo", {}
+    flags, mhz, clock_from = read_cpu()
+    peak, inputs = cpu_peak(dtype, cores, flags, mhz)
+    return peak, (f"CPU peak: {cores:g} core(s) x {mhz:.0f} MHz ({clock_from}) x {inputs['flop_per_cycle']} "
+                  f"FLOP/cycle ({inputs['unit']})"), dict(inputs, clock_from=clock_from)
+
+
+def achievable_rate(device, dtype, window_s, windows=5):
+    """FLOP/s of back-to-back n x n matmuls, over `windows` windows of window_s seconds each (a
+    step's length): what this rank reaches on one large, clean matrix product, with its threads,
+    under the load of the moment. An achieved rate, not a peak: its spread shows the load."""
+    n = 4096 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    rate = lambda tries: 2 * n ** 3 / matmul_s(a, b, tries=tries)
-    return rate(7), f"measured matmul rate ({n}x{n} {str(dtype).split('.')[-1]}, best of up to 7 at the start, then of 3 after each step)", lambda: rate(3)
+    a @ b
+    rates = []
+    for _ in range(windows):
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < window_s:
+            a @ b
+            if a.is_cuda:
+                torch.cuda.synchronize(device)
+            count += 1
+        rates.append(2 * n ** 3 * count / (time.perf_counter() - start))
+    return sorted(rates)
 
 
 def matmul_s(a, b, tries=5, budget_s=1.0):
@@ -266,7 +337,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp, torch.float32)
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=args.amp != "off")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    peak, peak_source, remeasure = reference_rate(device, dtype)
+    peak, peak_source, peak_inputs = peak_rate(device, dtype)   # MFU's denominator: the hardware's peak
 
     text, n_files = stdlib_bytes()
     train_data, val_data = split(text)
@@ -278,7 +349,7 @@ def main():
     steps_per_epoch = len(train_set) // args.global_batch   # the same at any world size
 
     torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
-    model = GPT(args.layers, args.heads, args.width, args.block).to(device)
+    model = GPT(args.layers, args.heads, args.width, args.block, checkpoint=args.checkpoint).to(device)
     fpt = flops_per_token(model, args.layers, args.width, args.block)
     opt = make_optimizer(model, args.lr)
     step = 0
@@ -297,11 +368,12 @@ def main():
               f"{len(val_data):,} val bytes; {sum(p.numel() for p in model.parameters()):,} params; "
               f"amp={args.amp}; {accum} micro-batches of {args.micro_batch} per rank per step", flush=True)
     metrics.log(step, params=sum(p.numel() for p in model.parameters()), flops_per_token=fpt,
-                peak_flops=peak, peak_source=peak_source, amp=args.amp, micro_batch=args.micro_batch,
+                peak_flops=peak, peak_source=peak_source, **peak_inputs, amp=args.amp, micro_batch=args.micro_batch,
                 accum=accum, global_batch_asked=args.global_batch, train_windows=len(train_set),
                 train_bytes=len(train_data), val_bytes=len(val_data), files=n_files, **probe)
 
     save_at = {int(s) for s in args.save_at.split(",") if s}
+    step_times = []
     stop = args.stop_at or args.steps
     while step < stop:
         epoch, done_in_epoch = divmod(step, steps_per_epoch)
@@ -310,7 +382,7 @@ def main():
         for _ in range(done_in_epoch * accum):  # resuming mid-epoch: skip what was trained on
             next(batches)
         for _ in range(done_in_epoch, steps_per_epoch):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()   # wall clock; CPU time of all this rank's threads
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args)
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss x tokens, tokens]
@@ -329,6 +401,7 @@ def main():
                 sums[0] += loss.detach().double() * y.numel()   # no .item(): no wait for the GPU
                 sums[1] += y.numel()
                 ids += idx.tolist()
+            micro_s, micro_cpu_s = time.perf_counter() - t0, time.process_time() - c0   # the micro-batches' share
             scaler.unscale_(opt)  # true gradients before clipping (no-op without fp16)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # before clipping
             scaler.step(opt)      # skips the step if fp16 gradients overflowed
@@ -339,15 +412,14 @@ def main():
             tokens = len(ids) * args.block                       # this rank's tokens this step
             if use_cuda:
                 torch.cuda.synchronize(device)                   # the step's kernels are done
-            step_s = time.perf_counter() - t0
+            step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
             times = timer.lap()  # data_s, compute_s, wait_s, mem_mb
-            if remeasure:  # CPU: the matmul rate now, side by side with the step (tens of ms)
-                peak = remeasure()
-                timer.lap()  # its time is not the next step's
+            step_times.append(step_s)
             scale = {"scale": scaler.get_scale()} if scaler.is_enabled() else {}  # fp16: for the next step
             metrics.log(step, loss=sums[0] / sums[1], grad_norm=grad_norm, windows=len(ids), window_ids=ids,
-                        lr=lr_at(step - 1, args), tokens_per_s=tokens / step_s, mfu=fpt * tokens / step_s / peak,
-                        peak_flops=peak, step_s=step_s, epoch=epoch, **scale, **times)
+                        lr=lr_at(step - 1, args), tokens_per_s=tokens / step_s,
+                        **({"mfu": fpt * tokens / step_s / peak} if peak else {}), step_s=step_s, cpu_s=cpu_s,
+                        micro_s=micro_s, micro_cpu_s=micro_cpu_s, epoch=epoch, **scale, **times)
             if step % args.eval_every == 0 or step == stop:
                 val_loss, val_tokens = evaluate(model, val_set, args.eval_windows, rank, world_size, device, autocast)
                 metrics.log(step, val_loss=val_loss, val_tokens=val_tokens)
@@ -364,6 +436,9 @@ def main():
             if step >= stop:
                 break
 
+    if step_times:  # a matmul's rate over windows as long as a median step, all ranks at once as in training
+        rates = achievable_rate(device, dtype, min(1.0, sorted(step_times)[len(step_times) // 2]))
+        metrics.log(step, achievable_flops=rates)
     if args.allreduce_sweep:  # the same ranks, after training: what one all-reduce of b bytes costs
         for b, seconds in costmodel.sweep(costmodel.QUICK_SIZES, iters=6, device=device):  # DDP: all ranks
             metrics.log(step, bytes=b, seconds=seconds)

@@ -1,0 +1,154 @@
+"""The checks of lesson 11 (the capstone GPT), as functions so that tests can plant the bugs
+they must catch: a model that ignores its context or sees the future, throughput figures
+the wall clock does not back, no speed-up from N ranks, and an exercise answer that holds
+at one world size only. Each raises AssertionError saying what is wrong, or returns figures."""
+import statistics
+
+import torch
+
+from . import exercises, runs
+
+
+def influence(model, x, cut, seed=1):
+    """How far a model's logits move when the bytes of x are replaced by random ones: from
+    position `cut` on (then positions before it must not move: `leak`), or before it (then
+    positions from cut + 1 on, which see those bytes only 2 or more positions back, must: `past`)."""
+    random = lambda t: torch.randint(0, 256, t.shape, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logits = model(x)
+        later, earlier = x.clone(), x.clone()
+        later[:, cut:] = random(later[:, cut:])
+        earlier[:, :cut] = random(earlier[:, :cut])
+        leak = (model(later)[:, :cut] - logits[:, :cut]).abs().max().item()
+        past = (model(earlier)[:, cut + 1:] - logits[:, cut + 1:]).abs().max().item()
+    return leak, past
+
+
+def check_attention(model, x, cut, min_past=0.05):
+    """Causal, and using context beyond the byte it predicts from: no logit moves when later
+    bytes change, and logits 2 or more positions after a change move by more than min_past
+    (a model that attends only to its own position, a bigram through attention, moves 0)."""
+    leak, past = influence(model, x, cut)
+    assert leak < 1e-5, f"changing bytes {cut}.. moved earlier logits by {leak:.2e}: a position sees later bytes"
+    assert past > min_past, (f"changing bytes before {cut} moved the logits at {cut + 1}.. by {past:.2e} only: "
+                             f"the model does not use bytes 2 or more positions back")
+    return leak, past
+
+
+def saved_bytes(model, x, y):
+    """Bytes of the activations autograd keeps for the backward of one forward and loss on x, y:
+    every tensor saved for the backward, each storage once, the parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return sum(seen.values())
+
+
+def check_checkpointing(model, x, y):
+    """Activation checkpointing (model.checkpoint) keeps less than half the activations, and
+    the gradients it gives are the ones without it."""
+    grads, kept = {}, {}
+    for on in (False, True):
+        model.checkpoint = on
+        model.zero_grad()
+        kept[on] = saved_bytes(model, x, y)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        grads[on] = [p.grad.clone() for p in model.parameters()]
+    model.checkpoint = False
+    assert kept[True] < kept[False] / 2, f"checkpointing kept {kept[True]:,} bytes of {kept[False]:,}: it did not act"
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads[False], grads[True])), \
+        "the gradients with checkpointing differ"
+    return kept[False], kept[True]
+
+
+def check_peak(peak, rates):
+    """No matmul can run faster than the hardware's peak: a peak below the fastest achievable
+    rate measured on the same ranks is wrong (too few cores, a too slow clock or unit)."""
+    fastest = max(rates)
+    assert fastest <= peak, (f"a matmul ran at {fastest / 1e9:.1f} GFLOP/s, above the peak of "
+                             f"{peak / 1e9:.1f}: the peak is wrong")
+    return fastest
+
+
+def check_throughput(rows, world, global_batch, block, flops_per_token, peak):
+    """The run's logged tokens/s and MFU against what the run directory alone says: tokens per
+    rank per step from the global batch and world size (config), FLOPs per token counted by
+    FlopCounterMode, and the wall-clock time between a rank's rows (each row's `time` is
+    when it was logged). The step timer runs inside that gap and (median) over most of it."""
+    tokens = global_batch // world * block
+    t = {(r["rank"], r["step"]): r["time"] for r in rows}
+    gaps = [(r, t[r["rank"], r["step"]] - t[r["rank"], r["step"] - 1]) for r in rows if r["step"] > 1]
+    for r, gap in gaps:
+        assert r["windows"] * block == tokens, f"rank {r['rank']} step {r['step']}: {r['windows']} windows, not {tokens // block}"
+        assert r["tokens_per_s"] * gap >= tokens * (1 - 1e-6), (
+            f"rank {r['rank']} step {r['step']}: {r['tokens_per_s']:.0f} tokens/s, but {tokens} tokens took {gap:.3f} s")
+        if peak:
+            wall_mfu = flops_per_token * tokens / gap / peak
+            assert wall_mfu * (1 - 1e-6) <= r["mfu"] <= 1, (r["step"], r["mfu"], wall_mfu)
+    cover = statistics.median(tokens / r["tokens_per_s"] / gap for r, gap in gaps)
+    assert cover > 0.5, f"the timed steps cover {cover:.0%} of the time between rows: the tokens/s are too high"
+    return cover
+
+
+def scaling(one, many, key="cpu_s"):
+    """1 rank against N from the rows of two runs: the least time of steps 2-4 on any rank (other
+    programs can only add to a step's time, by taking its core or its caches). key: the ranks'
+    CPU time per step (CPU ranks: it does not count the waits for a core that load causes) or
+    step_s (GPUs). The model: a fixed cost per step (the step minus its micro-batches, measured
+    on 1 rank) plus the micro-batches' cost, split over N ranks. Returns the figures."""
+    micro_key = "micro_cpu_s" if key == "cpu_s" else "micro_s"
+    rows_of = lambda rows: [r for r in rows if key in r and 1 < r["step"] <= 4]
+    windows = lambda rows: {r["rank"]: r["windows"] for r in rows if "windows" in r}   # per rank per step
+    n = len(windows(many))
+    best = min(rows_of(one), key=lambda r: r[key])
+    t1, tn = best[key], min(r[key] for r in rows_of(many))
+    fixed = best[key] - best[micro_key]
+    per_window = (t1 - fixed) / windows(one)[0]
+    predicted = fixed + per_window * windows(many)[0]
+    return {"N": n, "t1": t1, "tN": tn, "fixed": fixed, "predicted": predicted,
+            "threshold": (predicted + t1) / 2}               # halfway between the model and no speed-up
+
+
+def check_scaling(one, many, key="cpu_s"):
+    """The N-rank step costs each rank less than halfway between the model's prediction and
+    the 1-rank step: it fails when N ranks give no speed-up (each rank doing all the work)."""
+    s = scaling(one, many, key)
+    assert s["N"] > 1, "the second run has 1 rank too: no N to compare"
+    assert s["tN"] < s["threshold"], (
+        f"{s['N']} ranks: {s['tN'] * 1e3:.1f} ms per rank per step, not below {s['threshold'] * 1e3:.1f} ms, "
+        f"halfway between the predicted {s['predicted'] * 1e3:.1f} ms and 1 rank's {s['t1'] * 1e3:.1f} ms: no speed-up")
+    return s
+
+
+def check_global_batch_at(run_dirs):
+    """11's exercise: exercises.check_global_batch on runs of the same script at two or more
+    world sizes, so that an ACCUM chosen for one world size (6 on 2 ranks) is rejected."""
+    worlds = {}
+    for run_dir in run_dirs:
+        verdict = exercises.check_global_batch(run_dir)
+        worlds[runs.load(run_dir).config["world_size"]] = verdict
+    assert len(worlds) >= 2, f"runs at {sorted(worlds)} rank(s) only: one world size accepts a constant chosen for it"
+    return "; ".join(f"{w} rank(s): {v}" for w, v in sorted(worlds.items()))
+
+
+def attempt_at(script, worlds, timeout=300):
+    """exercises.attempt at each world size in turn, stopping at the first the checker rejects.
+    Returns (run dirs, passed)."""
+    dirs = []
+    for nproc in worlds:
+        run_dir, passed = exercises.attempt(script, exercises.check_global_batch, nproc=nproc, timeout=timeout)
+        dirs.append(run_dir)
+        if not passed:
+            return dirs, False
+    try:
+        print("correct at every world size!", check_global_batch_at(dirs))
+        return dirs, True
+    except AssertionError as e:
+        print("not yet:", e)
+        return dirs, False
