@@ -22,7 +22,7 @@ RANK = {"chain", "costmodel", "data", "dist", "guard", "knobs", "metrics", "mode
         "rundir", "syncbn", "world_messages", "world_rank"}
 KERNEL = {"__main__", "checks", "devices", "doctor", "failures", "interrupts", "launch",
           "monitor", "multinode", "runs", "scaling", "slurm", "stacks", "world"}
-NOTEBOOK = {"__init__", "diagrams", "exercises", "lesson", "magics", "plots", "simulate", "widgets"}
+NOTEBOOK = {"__init__", "capstone", "diagrams", "exercises", "lesson", "magics", "plots", "simulate", "widgets"}
 RANK_THIRD_PARTY = {"torch", "torchvision"}
 PROCESS_WRAPPER = {"guard": {"psutil"}, "procs": {"psutil"}}
 
