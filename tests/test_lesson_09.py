@@ -7,9 +7,12 @@ here: the ring all-reduce against dist.all_reduce with measured bytes (cell 09-1
 (a)-(c) of work/ddp_scratch.py's main against torch DDP after every step, with DDP's buckets
 one-then-rebuilt (09-24), the exercise checker accepting the solution and rejecting the
 starter, a blocking hook, an async-then-wait hook and a hook that holds every bucket back to
-the last gradient (09-31, 09-33). Added here: stage (d) with the solution at 3 ranks, a hook
-that all-reduces everything in one bucket of its own (rejected: the layout is the checker's),
-and stage d refused without a file."""
+the last gradient (09-31, 09-33), DDP's collectives against the rule (section 6) and the
+alpha-beta line against held-out workloads (section 3). Added here: stage (d) with the solution
+at 3 ranks, a hook that all-reduces everything in one bucket of its own (rejected: the layout is
+the checker's), stage d refused without a file, DDP's collectives counted at 3 ranks, and
+planted bugs that each new check must catch: wrong rules for DDP's collectives, a counter blind
+to C++ calls, and wrong alpha-beta models on synthetic timings."""
 import json
 import subprocess
 import sys
@@ -17,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import exercises, launch
-from ddp_lesson.lesson import SCRIPTS
+from ddp_lesson import costmodel, exercises, launch
+from ddp_lesson.lesson import SCRIPTS, load_script
 
 WORLD = 3
 STEPS = 2
@@ -121,3 +124,90 @@ def test_ring_all_reduce_equals_dist_all_reduce(cases):
         assert abs(row["bytes_sent"] - row["ring_bytes"]) <= 2 * 4, row   # 2(N-1)/N x size
         # measured (/proc/self/io): the same bytes, plus a header per message
         assert row["ring_bytes"] - 8 <= row["bytes_written"] <= row["ring_bytes"] + 8 + 512 + 256 * row["messages"], row
+
+
+# -- section 6: DDP's collectives, counted -----------------------------------------------------
+collectives = load_script(SCRIPTS / "ddp_collectives.py")
+
+
+def test_ddp_collectives_match_the_rule_at_3_ranks(cases):
+    c = cases["collectives"]
+    assert len(c["counted"]) == WORLD
+    assert collectives.check_counts(c["counted"], c["expected"]) == []
+    bn = c["expected"]["BatchNorm"]          # the rule's numbers for the BatchNorm model, spelled out
+    assert bn["construct"] == {"allgather": 1, "broadcast": 3}
+    assert bn["step 1"] == {"broadcast": 2, "allreduce": 1}
+    assert bn["step 2"] == {"broadcast": 4, "allreduce": 6}
+    assert c["expected"]["find_unused_parameters=True"]["step 3"] == {"allreduce": 5}
+
+
+def test_collective_check_rejects_wrong_rules_and_a_blind_counter(cases):
+    counted, expected = cases["collectives"]["counted"], cases["collectives"]["expected"]
+
+    def only_broadcast_then_allreduce(phases):   # "DDP is a broadcast at the start and an all_reduce every step"
+        return {p: ({"broadcast": 1} if p == "construct" else {} if p == "no_grad forward" else {"allreduce": 1})
+                for p in phases}
+
+    wrong_rules = {
+        "the old sentence": {n: only_broadcast_then_allreduce(ph) for n, ph in expected.items()},
+        "no buffer broadcast per forward": {**expected, "BatchNorm": {
+            p: {k: n for k, n in c.items() if k != "broadcast" or p in ("construct", "step 2")}
+            for p, c in expected["BatchNorm"].items()}},
+        "no bucket-layout broadcast": {**expected, "no buffers": {
+            **expected["no buffers"], "step 2": {"allreduce": expected["no buffers"]["step 2"]["allreduce"]}}},
+        "no used-parameter all-reduce": {**expected, "find_unused_parameters=True": {
+            p: ({"allreduce": c["allreduce"] - 1} if "allreduce" in c else c)
+            for p, c in expected["find_unused_parameters=True"].items()}},
+    }
+    for name, rule in wrong_rules.items():
+        assert rule != expected, name
+        assert collectives.check_counts(counted, rule), name
+    # a counter that wraps dist.all_reduce in Python never sees the Reducer's C++ all-reduces
+    blind = [{n: {p: {k: v for k, v in c.items() if k != "allreduce"} for p, c in ph.items()}
+              for n, ph in per_rank.items()} for per_rank in counted]
+    assert collectives.check_counts(blind, expected)
+    one_rank_off = [counted[0], {**counted[1], "BatchNorm": {**counted[1]["BatchNorm"], "no_grad forward": {}}}]
+    assert any("rank 1" in w for w in collectives.check_counts(one_rank_off, expected))
+
+
+def test_rule_follows_the_model_not_the_world_size():
+    bn, plain = collectives.tiny_net(True), collectives.tiny_net(False)
+    assert collectives.expected_counts(bn, buckets=6)["no_grad forward"] == {"broadcast": 2}  # float32, int64
+    assert collectives.expected_counts(plain, buckets=4)["no_grad forward"] == {}
+    assert collectives.expected_counts(plain, buckets=4)["construct"] == {"allgather": 1, "broadcast": 2}
+    assert collectives.expected_counts(plain, buckets=7)["step 3"] == {"allreduce": 7}
+
+
+# -- section 3: the alpha-beta line on held-out workloads ------------------------------------
+alpha_beta = load_script(SCRIPTS / "alpha_beta.py")
+ALPHA, BETA = 100e-6, 1e9                   # a made-up machine: 100 us latency, 1 GB/s
+HELD = {"one 4 B all-reduce": [4], "64 all-reduces of 4 B": [4] * 64, "one 2 MiB all-reduce": [2 ** 21],
+        "DDP's buckets at 64 KiB": [263168] * 8 + [10280]}
+
+
+def synthetic(noise=(1.2, 0.85, 1.1, 0.9, 1.15, 0.95, 1.05), held_noise=(1.25, 0.8, 1.1, 0.9)):
+    """Timings from the true line, each off by up to 25 %: rows to fit, and held-out workloads."""
+    rows = [{"bytes": b, "seconds": (ALPHA + b / BETA) * n} for b, n in zip(costmodel.QUICK_SIZES, noise)]
+    held = {name: (sizes, sum(ALPHA + b / BETA for b in sizes) * n)
+            for (name, sizes), n in zip(HELD.items(), held_noise)}
+    return rows, held
+
+
+def test_held_out_check_accepts_the_model_on_noisy_timings():
+    rows, held = synthetic()
+    assert alpha_beta.check_held_out(alpha_beta.held_out_ratios(rows, held)) == []
+
+
+@pytest.mark.parametrize("bug, caught_on", [
+    ("no alpha", "one 4 B all-reduce"),
+    ("alpha once per step", "64 all-reduces of 4 B"),
+    ("elements counted as bytes", "one 2 MiB all-reduce"),
+])
+def test_held_out_check_rejects_a_wrong_model(bug, caught_on):
+    wrong = {"no alpha": lambda sizes, a, b: sum(s / b for s in sizes),
+             "alpha once per step": lambda sizes, a, b: a + sum(s / b for s in sizes),
+             "elements counted as bytes": lambda sizes, a, b: sum(a + s / 4 / b for s in sizes)}[bug]
+    rows, held = synthetic()
+    missed = alpha_beta.check_held_out(alpha_beta.held_out_ratios(rows, held, predict=wrong))
+    assert any(m.startswith(caught_on) for m in missed), (bug, missed)
+

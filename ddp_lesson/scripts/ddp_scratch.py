@@ -7,7 +7,7 @@
 (b) one all_reduce of all gradients flattened into one tensor;
 (c) overlapped: each gradient's all_reduce starts (async) the moment backward has
     accumulated it, from register_post_accumulate_grad_hook; all are waited before step();
-(d) bucketed: a class Bucketed from the file --bucketed (the exercise of section 6).
+(d) bucketed: a class Bucketed from the file --bucketed (the exercise of section 7).
 Each stage trains beside torch's DDP from the same (rank-dependent!) initial weights on the
 same data: the weights must be allclose after every step. all_reduce calls per step are
 counted with their sizes (and whether each was made during backward, how many gradients

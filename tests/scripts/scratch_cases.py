@@ -2,7 +2,9 @@
 the ring all-reduce against dist.all_reduce (ring_allreduce.check, as the notebook's section 2
 runs it), stages (a)-(c) of DDP from scratch, and stage (d) once per --bucketed NAME=FILE,
 each beside torch DDP through ddp_scratch.check_stage, the function ddp_scratch.py's own main
-runs. Rank 0 writes cases.json: world_size, ring (rows per rank), stages, bucketed (by NAME)."""
+runs, and DDP's collectives counted per phase (ddp_collectives.count_ddp, as section 6 runs it)
+beside the rule's counts. Rank 0 writes cases.json: world_size, ring (rows per rank), stages,
+bucketed (by NAME), collectives ({"counted": per rank, "expected": the rule})."""
 import argparse
 import json
 import os
@@ -36,6 +38,18 @@ for name, path in (a.split("=", 1) for a in args.bucketed):
 rows = [None] * world
 dist.all_gather_object(rows, ring)
 out["ring"] = rows
+ddp_collectives = load_script(SCRIPTS / "ddp_collectives.py")
+counted, expected = {}, {}
+for name, batchnorm, options in [("BatchNorm", True, {}), ("no buffers", False, {}),
+                                 ("find_unused_parameters=True", False, {"find_unused_parameters": True})]:
+    torch.manual_seed(rank)
+    model = ddp_collectives.tiny_net(batchnorm)
+    cap = min(p.numel() * p.element_size() for p in model.parameters())
+    expected[name] = ddp_collectives.expected_counts(model, buckets=len(list(model.parameters())), **options)
+    counted[name] = ddp_collectives.count_ddp(model, bucket_cap_mb=cap / 2 ** 20, **options)
+per_rank = [None] * world
+dist.all_gather_object(per_rank, counted)
+out["collectives"] = {"counted": per_rank, "expected": expected}
 if rank == 0:
     with open(os.path.join(os.environ["DDP_LESSON_RUN_DIR"], "cases.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -1,0 +1,65 @@
+"""Lesson 09: the alpha-beta model, t = alpha + bytes / beta, asked to predict all-reduce
+workloads it was not fitted to.
+
+fit_and_held_out (on every rank) times costmodel's sweep and the held-out workloads,
+interleaved, with more rounds while load blurs them; held_out_ratios fits the line and
+divides measured by predicted; check_held_out names the workloads the model misses by more
+than a factor.
+"""
+import time
+
+import torch
+import torch.distributed as dist
+
+from ddp_lesson import costmodel
+
+
+def allreduce_seconds(sizes, reps=3, device=None):
+    """Seconds for all-reduces of tensors of these byte sizes, back to back (slowest rank)."""
+    flats = [torch.zeros(max(1, b // 4), device=device) for b in sizes]
+    for f in flats:
+        dist.all_reduce(f)                                # warm-up
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(reps):
+        for f in flats:
+            dist.all_reduce(f)
+    seconds = torch.tensor([(time.perf_counter() - t) / reps], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item()
+
+
+def fit_and_held_out(held, rounds=5, device=None, factor=3.0, max_rounds=15):
+    """Sweep (costmodel.QUICK_SIZES) and every held-out workload, interleaved, `rounds` rounds
+    at a time; each keeps its fastest round. Load only adds time, so more rounds bring both
+    sides nearer the machine's own cost: while the model misses a workload by more than
+    `factor`, `rounds` more are run, up to `max_rounds`. A wrong model stays wrong.
+    Every rank gets the slowest rank's times, so every rank decides alike.
+    Returns (rows for costmodel.fit, {name: (sizes, seconds)})."""
+    sweeps, seconds = [], {name: [] for name in held}
+    while True:
+        for _ in range(rounds):
+            sweeps.append(costmodel.sweep(costmodel.QUICK_SIZES, iters=4, device=device))
+            for name, sizes in held.items():
+                seconds[name].append(allreduce_seconds(sizes, device=device))
+        rows = [{"bytes": b, "seconds": min(s[i][1] for s in sweeps)} for i, (b, _) in enumerate(sweeps[0])]
+        out = {name: (held[name], min(v)) for name, v in seconds.items()}
+        if len(sweeps) >= max_rounds or not check_held_out(held_out_ratios(rows, out), factor):
+            return rows, out
+
+
+def predict_seconds(sizes, alpha, beta):
+    """The model: every all-reduce pays the latency once, plus its bytes at the bandwidth."""
+    return sum(alpha + b / beta for b in sizes)
+
+
+def held_out_ratios(rows, held, predict=predict_seconds):
+    """Fit alpha and beta to `rows`, then measured / predicted for each held-out workload."""
+    alpha, beta = costmodel.fit(rows)
+    return {name: seconds / predict(sizes, alpha, beta) for name, (sizes, seconds) in held.items()}
+
+
+def check_held_out(ratios, factor=3.0):
+    """The workloads the model misses by more than `factor`, either way ([] if none)."""
+    return [f"{name}: measured / predicted = {r:.2f}" for name, r in ratios.items()
+            if not 1 / factor <= r <= factor]
