@@ -59,7 +59,7 @@ def _train_by_hand(script, world, average=True):
     for _ in range(script.STEPS):
         for rank, (m, o) in enumerate(zip(models, opts)):
             o.zero_grad()
-            F.mse_loss(m(x[rank::world]), y[rank::world]).backward()
+            F.mse_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
         if average:   # the all_reduce (a sum on every rank), then / world
             for ps in zip(*(m.parameters() for m in models)):
                 total = sum(p.grad for p in ps)

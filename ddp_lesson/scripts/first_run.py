@@ -17,12 +17,13 @@ STEPS = 30
 
 
 def make_data(n=840):
-    """The whole data set, the same on every rank: y = 3*x0 - 2*x1 + 1, plus noise.
-    840 samples split evenly over 1 to 8 ranks."""
+    """The whole data set, the same on every rank: y = 3*x0 - 2*x1 + 1, plus noise, sorted
+    by y. 840 samples split evenly over 1 to 8 ranks."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 2, generator=g)
     y = x @ torch.tensor([3.0, -2.0]) + 1 + 0.1 * torch.randn(n, generator=g)
-    return x, y.unsqueeze(1)
+    order = y.argsort()           # sorted: each rank's shard holds a different range of y
+    return x[order], y[order].unsqueeze(1)
 
 
 @record  # if a rank raises, its traceback reaches the notebook
@@ -38,7 +39,7 @@ def main():
           flush=True)
 
     x, y = make_data()
-    x, y = x[rank::world].to(device), y[rank::world].to(device)   # this rank's shard
+    x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)   # this rank's shard
 
     torch.manual_seed(0)                                       # the same starting model on every rank
     model = torch.nn.Linear(2, 1).to(device)
