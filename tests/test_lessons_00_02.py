@@ -39,6 +39,120 @@ def test_exercise_with_checker_and_solution(name):
     assert all("check_" in source(c) and "starter" in source(c) for c in solutions)
 
 
+# -- 00: the fast path, its script, the lesson text and the glossary ------------------------
+
+from ddp_lesson.lesson import SCRIPTS, load_script  # noqa: E402
+
+FIRST_RUN = SCRIPTS / "first_run.py"
+
+
+def _train_by_hand(script, world, average=True):
+    """first_run.py's loop for every rank in one process: shards, one gradient all-reduce."""
+    x, y = script.make_data()
+    models = []
+    for _ in range(world):
+        torch.manual_seed(0)
+        models.append(nn.Linear(2, 1))
+    opts = [torch.optim.SGD(m.parameters(), lr=script.LR) for m in models]
+    for _ in range(script.STEPS):
+        for rank, (m, o) in enumerate(zip(models, opts)):
+            o.zero_grad()
+            F.mse_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        if average:   # the all_reduce (a sum on every rank), then / world
+            for ps in zip(*(m.parameters() for m in models)):
+                total = sum(p.grad for p in ps)
+                for p in ps:
+                    p.grad = total / world
+        for o in opts:
+            o.step()
+    return [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in models]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_first_run_averaged_shards_equal_one_process_on_all_data(world):
+    script = load_script(FIRST_RUN)
+    alone = _train_by_hand(script, 1)[0]
+    ranks = _train_by_hand(script, world)
+    assert all(torch.allclose(w, alone, rtol=1e-4, atol=1e-5) for w in ranks)
+    if world > 1:   # without the all_reduce the copies drift apart: the check can fail
+        drifted = _train_by_hand(script, world, average=False)
+        assert not torch.allclose(drifted[0], drifted[1], atol=1e-4)
+
+
+def test_first_run_shows_the_averaging_and_no_ddp_yet():
+    text = FIRST_RUN.read_text()
+    assert text.count("dist.all_reduce(") == 1 and "/= world" in text
+    assert not any(use in text for use in ("DistributedDataParallel(", "DDP(", "DistributedSampler("))
+    assert any(line.startswith("LR = ") and "EDIT ME" in line for line in text.splitlines())
+    assert len(load_script(FIRST_RUN).make_data()[0]) % math.lcm(*range(1, 9)) == 0  # even shards, 1-8 ranks
+
+
+def _lesson_text(name):
+    """00's markdown outside <details> cells, without code, code spans and table rows."""
+    import re
+    out = []
+    for c in cells(name):
+        text = source(c)
+        if c["cell_type"] != "markdown" or text.startswith("<details>"):
+            continue
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        text = "\n".join(line for line in text.split("\n") if not line.strip().startswith("|"))
+        out.append(re.sub(r"`[^`]*`", "CODE", text))
+    return out
+
+
+def _sentences(text):
+    import re
+    paras = re.split(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.) )", text)
+    return [s for p in paras for s in re.split(r'(?<=[.!?])\s+(?=[A-Z*`"])', " ".join(p.split()))]
+
+
+def test_00_lesson_text_is_short_sentences_without_nested_parentheses():
+    long = [s for t in _lesson_text("00_start_here.ipynb") for s in _sentences(t) if len(s.split()) > 35]
+    assert len(long) <= 2, long
+    for t in _lesson_text("00_start_here.ipynb"):
+        depth = 0
+        for ch in t:
+            depth += (ch == "(") - (ch == ")")
+            assert depth <= 1, t[:200]
+            depth = max(depth, 0)
+
+
+def test_00_fast_path_first_and_no_ddp_before_03():
+    c = cells("00_start_here.ipynb")
+    top = source(c[0])
+    assert "[glossary](../docs/glossary.md)" in top and "Fast path" in top
+    code = [source(x) for x in c if x["cell_type"] == "code"]
+    first_panel = next(i for i, t in enumerate(code) if "RunPanel(" in t)
+    assert "work/first_run.py" in code[first_panel] and first_panel <= 8   # within the first cells
+    assert sum("RunPanel(" in t for t in code) == 1                         # one launch from a panel
+    assert not any(use in t for t in code for use in ("DistributedDataParallel(", "DDP(", "DistributedSampler("))
+    headings = [source(x).split("\n")[0] for x in c if x["cell_type"] == "markdown"]
+    assert "## Credits" in headings and "## Where this comes from" in headings
+    assert not any("Where the course comes from" in h for h in headings)
+
+
+GLOSSARY_TERMS = ["agent", "all-reduce", "backend", "bucket", "collective", "DataParallel", "DDP",
+                  "device picker", "DistributedSampler", "gloo", "global batch", "gradient accumulation",
+                  "Join", "live world", "local rank", "micro-batch", "nccl", "no_sync", "node",
+                  "process group", "process tree", "rank", "rendezvous", "run directory", "run panel",
+                  "set_epoch", "store", "SyncBatchNorm", "torchrun", "world size"]
+
+
+def test_glossary_alphabetical_complete_and_linked():
+    import re
+    text = (ROOT / "docs" / "glossary.md").read_text()
+    entries = re.findall(r"^\*\*(.+?)\*\* · (.+?)(?=^\*\*|\Z)", text, flags=re.M | re.S)
+    names = [n.strip("`") for n, _ in entries]
+    assert names == sorted(names, key=lambda n: re.sub(r"[^a-z ]", "", n.lower())), names
+    assert set(GLOSSARY_TERMS) <= set(names), set(GLOSSARY_TERMS) - set(names)
+    for name, body in entries:
+        links = re.findall(r"\]\(\.\./notebooks/([^)]+)\)", body)
+        assert links, name                                                     # says where it is taught
+        assert all((ROOT / "notebooks" / link).exists() for link in links), (name, links)
+    assert "per-rank batch × world size × accumulation steps" in text and "effective batch" not in text
+
+
 # -- 02: loss averaging ----------------------------------------------------------------------
 
 PER_SAMPLE = torch.tensor([0.3, 0.2, 0.8])
