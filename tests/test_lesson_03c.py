@@ -3,14 +3,12 @@ solution, and the one claim the notebook only computes in arithmetic, checked on
 ranks: a loss all-reduced by hand before backward gives gradients divided twice."""
 import json
 import math
-import re
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,23 +140,3 @@ def test_loss_reduced_by_hand_divides_the_gradients_twice(tmp_path):
     assert "WARNED True" in out.stdout, out.stdout
 
 
-def test_fine_print_folds_and_lesson_text():
-    folds = 0
-    for cell in cells():
-        text = source(cell)
-        if cell["cell_type"] != "markdown":
-            continue
-        if "<details>" in text:
-            assert text.startswith("<details><summary>") and "</summary>\n\n" in text, text[:80]
-            assert text.rstrip().endswith("</details>"), text[-80:]
-            folds += text.startswith("<details><summary>Under the hood: ")
-        else:
-            prose = "\n".join(l for l in re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
-                              if not l.lstrip().startswith("|"))                       # tables aside
-            prose = re.sub(r"`[^`]*`", "", re.sub(r"\]\([^)]*\)", "]", prose))
-            depth = 0
-            for ch in prose:
-                depth = max(depth + (ch == "(") - (ch == ")"), 0)
-                assert depth <= 1, f"parentheses inside parentheses: {prose[:200]}"
-    assert folds >= 3
-    assert "(../docs/glossary.md)" in source(cells()[0])

@@ -30,3 +30,31 @@ def test_lessons_00_to_05_have_few_long_sentences_and_no_nested_parentheses():
         nested += [(path.name, i, s[:100]) for i, s in ns]
     assert not nested, nested
     assert len(long) <= 10, "\n".join(map(str, long))
+
+
+ALL_LESSONS = sorted((REPO / "notebooks").glob("[0-9]*.ipynb"))
+
+
+def markdown_cells(path):
+    import json
+    return ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"]
+
+
+def test_every_fold_opens_its_cell_so_jupyterlab_folds_it():
+    """JupyterLab folds a <details> only when it opens the cell and a blank line follows the
+    summary (jupyterlab/jupyterlab#7527); one opened mid-paragraph shows all its fine print."""
+    bad = []
+    for path in ALL_LESSONS:
+        for text in markdown_cells(path):
+            if "<details>" not in text:
+                continue
+            if not (text.startswith("<details><summary>") and "</summary>\n\n" in text
+                    and text.rstrip().endswith("</details>") and text.count("<details>") == 1):
+                bad.append((path.name, text[:80]))
+    assert not bad, bad
+
+
+def test_every_notebook_links_the_glossary_near_its_top():
+    missing = [p.name for p in ALL_LESSONS
+               if not any("(../docs/glossary.md)" in t for t in markdown_cells(p)[:2])]
+    assert not missing, missing

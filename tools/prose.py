@@ -27,12 +27,12 @@ def lesson_text(cell_source):
 
 
 def sentences(text):
-    """Sentences: split at . ! ? : followed by a space and a capital or a line break, and at
+    """Sentences: split at . ! ? (or one that closes a bold span) followed by a space and a capital or a line break, and at
     paragraph breaks and list items."""
     out = []
     for block in re.split(r"\n\s*\n|\n\s*[-*]\s+|\n\s*\d+\.\s+|\n#+\s", text):
         block = " ".join(block.split())
-        out += [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z*\"'(])", block) if s.strip()]
+        out += [s for s in re.split(r"(?<=[.!?])(?:\*\*|_)?\s+(?=[A-Z*\"'(])", block) if s.strip()]
     return out
 
 
