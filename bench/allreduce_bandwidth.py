@@ -13,10 +13,10 @@ The sweep and the fit live in ddp_lesson.costmodel (notebook 06 uses them too).
 """
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
+from common import command_line  # bench/common.py
 from ddp_lesson import costmodel, launch, runs
 
 
@@ -58,14 +58,9 @@ def measure(nproc=2, quick=True, sizes=None, iters=None, cpu=False, run_dir=None
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="fewer sizes and iterations (CI)")
-    p.add_argument("--cpu", action="store_true", help="CPU ranks on gloo even where GPUs exist")
-    a = p.parse_args(argv)
+    a = command_line(__doc__, worker, "fewer sizes and iterations (CI)", argv)
+    if a is None:
+        return 0
     t = time.perf_counter()
     m = measure(nproc=a.nproc, quick=a.quick, cpu=a.cpu)
     costmodel.report(m)

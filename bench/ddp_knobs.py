@@ -13,10 +13,10 @@ to the default configuration. The measuring lives in ddp_lesson.knobs (notebook 
 """
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
+from common import command_line  # bench/common.py
 from ddp_lesson import knobs, launch, runs
 
 
@@ -54,14 +54,9 @@ def measure(nproc=2, quick=True, cpu=False, run_dir=None, timeout=300):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="small model, few steps (CI)")
-    p.add_argument("--cpu", action="store_true", help="CPU ranks on gloo even where GPUs exist")
-    a = p.parse_args(argv)
+    a = command_line(__doc__, worker, "small model, few steps (CI)", argv)
+    if a is None:
+        return 0
     t = time.perf_counter()
     knobs.report(measure(nproc=a.nproc, quick=a.quick, cpu=a.cpu))
     print(f"{time.perf_counter() - t:.1f} s in all (timings on a shared machine are noisy)")
