@@ -14,9 +14,11 @@ their check scripts and lesson scripts on those runs, so no test here launches t
   and 03-14b (and tests/test_world_size.py at 3 ranks);
 - the exercise's solution cell leaves the learner's `passed` alone: 03 cell 03-ex5;
 The pictures of those cells are tested in tests/test_diagrams_collectives.py.
-- SyncBN equals BN over the concatenated batch (syncbn_stats.py): 04 cell 04-08;
+- SyncBN equals BN over the concatenated batch (syncbn_stats.py): 04 cell 04-08; the
+  per-rank vs SyncBN statistics it draws: 04 cell 04-pic2;
 - accumulation exact without BN and not with it, one all-reduce per step with no_sync, the
-  same weights (accum_nosync.py): 05 cell 05-10;
+  same weights (accum_nosync.py): 05 cell 05-10; the accumulation windows it logs, against
+  ddp_accum.py's own lines: 05 cell 05-15;
 - the lesson scripts train, log per rank and save model.pt: ddp_basic.py 03 cells 03-06 and
   03-08, ddp_syncbn.py 04 cell 04-11, ddp_accum.py with a partial window 05 cell 05-07.
 What stays: the scripts' source (small diffs, every DDP line shown), argparse, the one launcher
@@ -189,3 +191,34 @@ def test_syncbn_stats_reference_runs_copy_ddp_syncbn_loop(tmp_path):
         assert len(run["loss"]) == len(loss), name
         assert max(abs(a - b) for a, b in zip(run["loss"], loss)) < 1e-5, name
         assert run["test_accuracy"] == pytest.approx(accuracy, abs=1e-6), name
+
+
+def test_window_rows_and_first_bn_picture_at_one_rank(monkeypatch):
+    """The numbers notebooks 04 and 05 draw (diagrams.bn_statistics, accumulation_windows),
+    at one gloo rank in this process; the notebooks assert them at 2 and 3 ranks."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_lesson import models
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import accum_nosync
+    import syncbn_stats
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        win = accum_nosync.window_rows(models.SmallCNN(norm=False), n=10, k=4)
+        rows = win["rows"][0]
+        assert [r["window"] for r in rows] == [4] * 8 + [2] * 2
+        assert [r["step"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 2
+        assert [r["all_reduces"] > 0 for r in rows] == [i in (4, 8, 10) for i in range(1, 11)]
+        args = argparse.Namespace(seed=0, train_samples=64, batch_size=4)
+        pic = syncbn_stats.first_bn_picture(args, torch.device("cpu"))
+        values = torch.tensor(pic["values"], dtype=torch.float64)
+        assert len(values) == 4 * 16 * 16                         # 4 images of 16x16, one channel
+        for stats in (pic["rank_stats"], pic["sync_stats"]):     # one rank: both are its own batch's
+            assert abs(stats[0] - values.mean()) < 1e-5
+            assert abs(stats[1] / values.var(unbiased=False) - 1) < 1e-4
+    finally:
+        dist.destroy_process_group()

@@ -5,6 +5,9 @@
 2. In DDP, counted by a communication hook: with no_sync() on all but the last micro-batch,
    one all-reduce per optimizer step (per gradient bucket); without it, k. Same weights.
 3. Time per optimizer step with and without no_sync, side by side.
+4. Accumulation windows: ddp_accum.py's loop lines (window, last, no_sync) over N micro-batches
+   with k = K, so the last window is short; each micro-batch logs its window and how many
+   all-reduces its forward and backward launched (notebook 05 draws these rows).
 Writes accum.json. Then, in the same launch, the four no_sync placements of the exercise
 script ex_no_sync.py (its rows go to this run's metrics, which the exercise reads).
 """
@@ -64,6 +67,32 @@ def train(model, batches, use_no_sync):
         opt.zero_grad()
 
 
+def window_rows(base, n=10, k=K):
+    """ddp_accum.py's accumulation loop over n micro-batches, k per optimizer step, with its
+    own `window` and `last` lines: one row per micro-batch, the all-reduces counted by a hook."""
+    model = DDP(copy.deepcopy(base))
+    state = Counter()
+    model.register_comm_hook(state, counting_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = data.shapes(n * B, seed=5 + dist.get_rank()).tensors
+    rows, step = [], 1
+    for i, (xi, yi) in enumerate(zip(x.chunk(n), y.chunk(n))):
+        window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
+        last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
+        before = state.calls
+        with contextlib.nullcontext() if last else model.no_sync():
+            (F.cross_entropy(model(xi), yi) / window).backward()
+        rows.append({"micro_batch": i + 1, "step": step, "window": window,
+                     "all_reduces": state.calls - before})
+        if last:
+            opt.step()
+            opt.zero_grad()
+            step += 1
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    return {"n": n, "k": k, "rows": every}
+
+
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -101,6 +130,7 @@ def main():
             train(model, batches, use)
             times[name].append(1000 * (time.perf_counter() - t0) / STEPS)
     out["ms_per_optimizer_step"] = {k: min(v) for k, v in times.items()}
+    out["windows"] = window_rows(base)
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "accum.json"), "w") as f:
             json.dump(out, f, indent=1)

@@ -6,6 +6,11 @@ step of SmallCNN with BatchNorm vs SyncBatchNorm, side by side. Writes syncbn.js
 On GPUs this is PyTorch's nn.SyncBatchNorm over nccl; on CPU ranks (gloo) the course's
 stand-in, ddp_lesson.syncbn, because nn.SyncBatchNorm refuses CPU tensors.
 
+It also records what the first BN layer of SmallCNN sees at step 1 of notebook 04's runs (the
+same weights and each rank's first batch): one channel's values on each rank, the statistics
+plain BatchNorm computes on each rank's own batch and those SyncBatchNorm computes over all
+ranks. Notebook 04 draws them (diagrams.bn_statistics).
+
 Then, in the same launch (one launch instead of three), the two runs notebook 04 compares
 with ddp_syncbn.py --sync-bn, with plain BatchNorm: one process on the global batch of
 b x world (rank 0 alone, the other ranks wait), then DDP on every rank with b each. They run
@@ -67,6 +72,40 @@ def to_sync_bn(module, device):
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     return syncbn.convert_sync_batchnorm(module)
+
+
+def batch_statistics(layer, x, ranks):
+    """Per channel (mean, biased var) that a BN layer normalised x with, read back from the
+    layer itself: with momentum 1 its running statistics are that batch's (the variance stored
+    unbiased, n/(n-1), with n the values per channel over `ranks` ranks)."""
+    layer.momentum = 1.0
+    layer(x)
+    n = x.numel() // x.size(1) * ranks
+    return layer.running_mean.clone(), layer.running_var * (n - 1) / n
+
+
+def first_bn_picture(args, device):
+    """Step 1 of notebook 04's runs at the first BN layer: rank 0's initial weights (what DDP
+    broadcasts) and this rank's first batch from the DistributedSampler. Of its channels, the
+    one where some rank's statistics lie furthest from the global ones."""
+    torch.manual_seed(args.seed)
+    conv = models.SmallCNN().features[0].to(device)
+    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    sampler.set_epoch(0)
+    idx = list(sampler)[:args.batch_size]
+    with torch.no_grad():
+        x = conv(torch.stack([train_set[i][0] for i in idx]).to(device))
+    c = x.size(1)
+    mean, var = batch_statistics(nn.BatchNorm2d(c).to(device), x, 1)
+    sync = to_sync_bn(nn.Sequential(nn.BatchNorm2d(c)), device)[0].to(device)
+    g_mean, g_var = batch_statistics(sync, x, dist.get_world_size())
+    far = (mean - g_mean).abs() / g_var.sqrt() + (var / g_var - 1).abs()
+    dist.all_reduce(far, op=dist.ReduceOp.MAX)  # the same channel on every rank
+    ch = int(far.argmax())
+    return {"channel": ch, "values": x[:, ch].reshape(-1).tolist(),
+            "rank_stats": [mean[ch].item(), var[ch].item()],
+            "sync_stats": [g_mean[ch].item(), g_var[ch].item()]}
 
 
 def train(model, train_set, sampler, batch, args, device, accuracy):
@@ -163,6 +202,8 @@ def main():
         "running_var_matches_local_n": agree(sync.running_var, unbiased_ref(full, bn.momentum, 3, n_all // world)),
         "sync_mean_abs_diff": (sync.running_mean - bn.running_mean).abs().max().item(),
     }
+
+    result["first_bn"] = first_bn_picture(args, device)
 
     # Cost: one DDP step with BatchNorm vs SyncBatchNorm at this per-rank batch.
     x, y = (t.to(device) for t in data.shapes(B, seed=rank).tensors)
