@@ -114,6 +114,22 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
     return count[0]
 
 
+def ipython_cells():
+    """An IPython shell with `%load_ext ddp_lesson` done, and cell(source) -> (result,
+    captured output), which runs one cell in it."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "ddp_lesson")
+
+    def cell(source):
+        with capture_output() as cap:
+            res = ip.run_cell(source)
+        return res, cap
+    return ip, cell
+
+
 def child_env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_LESSON_")}
     env.pop("MASTER_PORT", None)

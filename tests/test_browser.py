@@ -272,14 +272,19 @@ def wait_for(page, locator, timeout, what):
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-@pytest.mark.timeout(600)
-def test_run_panel_in_jupyterlab(lab, page):
+def shoot_on_failure(drive_fn, lab, page, name):
+    """drive_fn(lab, page, shot); on any failure the page is saved as `name` first."""
     shot = Shots(page, ARTIFACTS)
     try:
-        drive(lab, page, shot)
+        drive_fn(lab, page, shot)
     except BaseException:
-        shot.save("failure")
+        shot.save(name)
         raise
+
+
+@pytest.mark.timeout(600)
+def test_run_panel_in_jupyterlab(lab, page):
+    shoot_on_failure(drive, lab, page, "failure")
 
 
 def drive(lab, page, shot):
@@ -408,12 +413,7 @@ def test_ranks_cell_in_jupyterlab(lab, page):
     while it runs, one column per rank side by side; a rank that raises shows its
     traceback in red; the panel's Stop ends every process of the world."""
     make_notebook(lab.root / "ranks.ipynb", WORLD_CELLS)
-    shot = Shots(page, ARTIFACTS)
-    try:
-        drive_world(lab, page, shot)
-    except BaseException:
-        shot.save("world-failure")
-        raise
+    shoot_on_failure(drive_world, lab, page, "world-failure")
 
 
 def drive_world(lab, page, shot):

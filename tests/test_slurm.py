@@ -43,18 +43,24 @@ def test_quoting_and_bad_input():
         slurm.sbatch_script("x.py", port=70000)
 
 
+def run_with_stubs(job, nodelist, nnodes, job_id, cpus, scontrol, srun):
+    """bash runs the sbatch script with Slurm's variables set and scontrol, srun and torchrun as
+    stub shell functions (exported through the environment); torchrun only echoes its flags."""
+    env = dict(os.environ, SLURM_JOB_NODELIST=nodelist, SLURM_NNODES=str(nnodes),
+               SLURM_JOB_ID=str(job_id), SLURM_CPUS_PER_TASK=str(cpus))
+    for name, body in (("scontrol", scontrol), ("srun", srun), ("torchrun", 'echo "TORCHRUN $*"')):
+        env[f"BASH_FUNC_{name}%%"] = "() {  " + body + "\n}"
+    return subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_runs_with_stub_slurm(tmp_path):
     """bash runs the script; srun, scontrol and torchrun are stub shell functions (exported
     through the environment): the rendezvous endpoint must be the first host of the node
     list and the job id the rendezvous id."""
     job = tmp_path / "job.sbatch"
     slurm.write(job, "train_ddp.py", nodes=2, gpus_per_node=4, args=["--epochs", "1"])
-    env = dict(os.environ, SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
-               SLURM_CPUS_PER_TASK="32")
-    env["BASH_FUNC_scontrol%%"] = '() {  printf "gpu-node-07\\ngpu-node-08\\n"\n}'
-    env["BASH_FUNC_srun%%"] = '() {  echo "SRUN $1"; shift; "$@"\n}'
-    env["BASH_FUNC_torchrun%%"] = '() {  echo "TORCHRUN $*"\n}'
-    out = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=30)
+    out = run_with_stubs(job, nodelist="gpu-node-[07-08]", nnodes=2, job_id=4242, cpus=32,
+                         scontrol='printf "gpu-node-07\\ngpu-node-08\\n"', srun='echo "SRUN $1"; shift; "$@"')
     assert out.returncode == 0, out.stderr
     line = [l for l in out.stdout.splitlines() if l.startswith("TORCHRUN")][0]
     assert line == ("TORCHRUN --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d "
@@ -70,12 +76,8 @@ def test_long_node_list_under_pipefail(tmp_path):
     into the end of the script."""
     job = tmp_path / "job.sbatch"
     slurm.write(job, "t.py", nodes=4000, gpus_per_node=1)
-    env = dict(os.environ, SLURM_JOB_NODELIST="n[0000-3999]", SLURM_NNODES="4000", SLURM_JOB_ID="7",
-               SLURM_CPUS_PER_TASK="8")
-    env["BASH_FUNC_scontrol%%"] = '() {  for i in $(seq -w 0 3999); do echo n$i; done\n}'
-    env["BASH_FUNC_srun%%"] = '() {  shift; "$@"\n}'
-    env["BASH_FUNC_torchrun%%"] = '() {  echo "TORCHRUN $*"\n}'
-    out = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
+    out = run_with_stubs(job, nodelist="n[0000-3999]", nnodes=4000, job_id=7, cpus=8,
+                         scontrol="for i in $(seq -w 0 3999); do echo n$i; done", srun='shift; "$@"')
     assert out.returncode == 0, out.stderr
     assert "--rdzv-endpoint n0000:20007 " in out.stdout
 

@@ -16,7 +16,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from conftest import child_env, signal_points, wait_until
+from conftest import child_env, ipython_cells, signal_points, wait_until
 from ddp_lesson import procs, world as world_mod
 
 # these tests interrupt world.run() as a notebook's Interrupt would
@@ -186,17 +186,9 @@ def test_killed_kernel_leaves_no_rank(tmp_path):
 
 
 def test_magics(runs_base):
-    from IPython.core.interactiveshell import InteractiveShell
-    from IPython.utils.capture import capture_output
     from ddp_lesson import magics
 
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "ddp_lesson")
-
-    def cell(source):
-        with capture_output() as cap:
-            res = ip.run_cell(source)
-        return res, cap
+    ip, cell = ipython_cells()
 
     res, _ = cell("%%ranks\n1")
     assert "%ranks start" in str(res.error_in_exec)

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import wait_until
+from conftest import ipython_cells, wait_until
 from ddp_lesson import procs, world as world_mod
 
 # these tests interrupt world.run() as a notebook's Interrupt would
@@ -237,17 +237,9 @@ def shell(runs_base):
     """An IPython shell with a world started by `%ranks start`; cell(source) runs a cell
     and returns (result, captured output). Its world is also this module's `world` (below),
     so the module pays for one such start, not two."""
-    from IPython.core.interactiveshell import InteractiveShell
-    from IPython.utils.capture import capture_output
     from ddp_lesson import magics
 
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "ddp_lesson")
-
-    def cell(source):
-        with capture_output() as cap:
-            res = ip.run_cell(source)
-        return res, cap
+    ip, cell = ipython_cells()
 
     res, cap = cell("%ranks start --cpu")
     assert res.success, res.error_in_exec
