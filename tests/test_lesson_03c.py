@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -140,3 +141,78 @@ def test_loss_reduced_by_hand_divides_the_gradients_twice(tmp_path):
     assert "WARNED True" in out.stdout, out.stdout
 
 
+
+
+def _notebook_function(cell_id, name):
+    "Define one function from a notebook cell's source, the code the learner runs."
+    cell = next(c for c in cells() if c.get("id") == cell_id)
+    text = source(cell)
+    start = text.index(f"def {name}(")
+    end = text.find("\n\n\n", start)
+    namespace = {"math": math}
+    exec(text[start:end if end != -1 else None], namespace)
+    return namespace[name]
+
+
+def _rows(losses_per_step):
+    "Rows as loss_averaging.py logs them: each rank's own loss, rank 0's reduced loss."
+    rows = []
+    for step, losses in enumerate(losses_per_step, 1):
+        rows += [{"step": step, "rank": r, "loss": v} for r, v in enumerate(losses)]
+        rows.append({"step": step, "rank": 0, "loss_reduced": sum(losses) / len(losses)})
+    return rows
+
+
+def test_log_check_rejects_a_loss_all_reduced_before_backward():
+    check = _notebook_function("da005b13", "check_logged_losses")
+    own = [[2.3, 2.1, 2.2], [2.0, 1.9, 2.05]]
+    assert check(_rows(own), 3) == 2
+    averaged = [[sum(s) / 3] * 3 for s in own]            # the mistake: every rank logs the mean
+    with pytest.raises(AssertionError):
+        check(_rows(averaged), 3)
+    wrong_mean = _rows(own)
+    wrong_mean[3]["loss_reduced"] = 2.3                   # reduced loss not the mean
+    with pytest.raises(AssertionError):
+        check(wrong_mean, 3)
+    assert check(_rows([[2.3], [2.0]]), 1) == 2           # one rank: nothing differs, nothing to plant
+
+
+def test_ddp_divides_before_the_all_reduce_as_the_notebooks_say():
+    # the built-in path: the division fused with the copy into the bucket, then a plain sum
+    import inspect
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    include = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d"
+    assert "without division inside the hook" in (include / "default_comm_hooks.hpp").read_text()
+    assert "div_factor_" in (include / "reducer.hpp").read_text()
+    code = inspect.getsource(default_hooks._allreduce_fut)
+    assert code.index("div_(") < code.index("all_reduce(")
+    for name in ("01_data_parallel.ipynb", "03c_averaging_in_ddp.ipynb"):
+        text = (ROOT / "notebooks" / name).read_text()
+        assert "then divided by the number of GPUs" not in text and "and divides by\\n" not in text, name
+
+
+def test_tf32_rounding_moves_smallcnn_outputs_well_inside_the_near_tie_margin():
+    # 03c's accuracy check allows, on GPUs, the near-ties: top two outputs closer than 0.3% of the
+    # largest output. Emulated TF32 (inputs of each convolution rounded to 10 mantissa bits) must
+    # move the outputs by far less than half that margin, or a non-tie could flip.
+    from ddp_lesson import data, models
+    assert torch.backends.cudnn.allow_tf32                       # the default the notebook names
+
+    def tf32(t):
+        i = t.contiguous().view(torch.int32)
+        return ((i + 0x1000) & ~0x1FFF).view(torch.float32)
+
+    torch.manual_seed(0)
+    model = models.SmallCNN(norm=False, width=8).eval()
+    images = data.shapes(256, seed=1).tensors[0]
+    with torch.no_grad():
+        exact = model.double()(images.double())
+        model.float()
+        x = images
+        for layer in model.features:
+            x = (torch.nn.functional.conv2d(tf32(x), tf32(layer.weight), layer.bias, layer.stride, layer.padding)
+                 if isinstance(layer, nn.Conv2d) else layer(x))
+        emulated = model.classifier(x.flatten(1))
+    error = (emulated.double() - exact).abs().max().item()
+    margin = 0.003 * exact.abs().max().item()
+    assert 0 < error < margin / 4, (error, margin)
