@@ -11,7 +11,8 @@ the last gradient (09-31, 09-33), DDP's collectives against the rule (section 6)
 alpha-beta line against held-out workloads (section 3). Added here: stage (d) with the solution
 at 3 ranks, a hook that all-reduces everything in one bucket of its own (rejected: the layout is
 the checker's), stage d refused without a file, DDP's collectives counted at 3 ranks, and
-planted bugs that each new check must catch: wrong rules for DDP's collectives, a counter blind
+planted bugs that each new check must catch: wrong rules for DDP's collectives (among them
+"every forward broadcasts the buffers", the old sentence of section 6), a counter blind
 to C++ calls, and wrong alpha-beta models on synthetic timings."""
 import json
 import subprocess
@@ -139,13 +140,18 @@ def test_ddp_collectives_match_the_rule_at_3_ranks(cases):
     assert bn["step 1"] == {"broadcast": 2, "allreduce": 1}
     assert bn["step 2"] == {"broadcast": 4, "allreduce": 6}
     assert c["expected"]["find_unused_parameters=True"]["step 3"] == {"allreduce": 5}
+    # the buffers: only after a training forward outside no_sync(), so once per evaluation or window
+    assert [bn[p] for p in ("no_grad forward 1", "no_grad forward 2", "step after no_grad")] == [
+        {"broadcast": 2}, {}, {"allreduce": 6}]
+    assert [bn[p] for p in ("no_sync micro 1", "no_sync micro 2", "last micro")] == [
+        {"broadcast": 2}, {}, {"allreduce": 6}]
 
 
 def test_collective_check_rejects_wrong_rules_and_a_blind_counter(cases):
     counted, expected = cases["collectives"]["counted"], cases["collectives"]["expected"]
 
     def only_broadcast_then_allreduce(phases):   # "DDP is a broadcast at the start and an all_reduce every step"
-        return {p: ({"broadcast": 1} if p == "construct" else {} if p == "no_grad forward" else {"allreduce": 1})
+        return {p: ({"broadcast": 1} if p == "construct" else {} if "no_" in p else {"allreduce": 1})
                 for p in phases}
 
     wrong_rules = {
@@ -166,14 +172,49 @@ def test_collective_check_rejects_wrong_rules_and_a_blind_counter(cases):
     blind = [{n: {p: {k: v for k, v in c.items() if k != "allreduce"} for p, c in ph.items()}
               for n, ph in per_rank.items()} for per_rank in counted]
     assert collectives.check_counts(blind, expected)
-    one_rank_off = [counted[0], {**counted[1], "BatchNorm": {**counted[1]["BatchNorm"], "no_grad forward": {}}}]
+    one_rank_off = [counted[0], {**counted[1], "BatchNorm": {**counted[1]["BatchNorm"], "no_grad forward 1": {}}}]
     assert any("rank 1" in w for w in collectives.check_counts(one_rank_off, expected))
+
+
+def buffer_rule(forwards_that_broadcast):
+    """A wrong rule for the buffer broadcast: the right rule's counts, with the buffer broadcasts
+    moved to the phases forwards_that_broadcast(phase, kind) picks."""
+    rules = {}
+    for name, model, options in [("BatchNorm", collectives.tiny_net(True), {}),
+                                 ("no buffers", collectives.tiny_net(False), {}),
+                                 ("find_unused_parameters=True", collectives.tiny_net(False),
+                                  {"find_unused_parameters": True})]:
+        right = collectives.expected_counts(model, buckets=len(list(model.parameters())), **options)
+        per_forward = collectives.dtypes(list(model.buffers()))
+        layout = {"step 2": 2} if not options else {}
+        rules[name] = {"construct": right["construct"]}
+        for phase, kind in collectives.phases():
+            c = {"allreduce": right[phase].get("allreduce", 0),
+                 "broadcast": layout.get(phase, 0) + per_forward * forwards_that_broadcast(phase, kind)}
+            rules[name][phase] = {k: n for k, n in c.items() if n}
+    return rules
+
+
+def test_collective_check_rejects_the_old_every_forward_buffer_rule(cases):
+    counted, expected = cases["collectives"]["counted"], cases["collectives"]["expected"]
+    assert buffer_rule(lambda phase, kind: phase in ("step 1", "step 2", "step 3", "no_grad forward 1",
+                                                     "no_sync micro 1")) == expected   # the helper is fair
+    wrong = {"every forward broadcasts, with or without gradients (the old sentence)": lambda p, k: True,
+             "every forward with gradients broadcasts": lambda p, k: k != "eval",
+             "every forward outside no_sync() broadcasts": lambda p, k: k != "no_sync"}
+    for name, picks in wrong.items():
+        misses = collectives.check_counts(counted, buffer_rule(picks))
+        assert misses and all("BatchNorm" in m for m in misses), (name, misses)
+    old = collectives.check_counts(counted, buffer_rule(lambda p, k: True))
+    for phase in ("no_grad forward 2", "step after no_grad", "no_sync micro 2", "last micro"):
+        assert any(f"BatchNorm, {phase}:" in m for m in old), (phase, old)
 
 
 def test_rule_follows_the_model_not_the_world_size():
     bn, plain = collectives.tiny_net(True), collectives.tiny_net(False)
-    assert collectives.expected_counts(bn, buckets=6)["no_grad forward"] == {"broadcast": 2}  # float32, int64
-    assert collectives.expected_counts(plain, buckets=4)["no_grad forward"] == {}
+    assert collectives.expected_counts(bn, buckets=6)["no_grad forward 1"] == {"broadcast": 2}  # float32, int64
+    assert collectives.expected_counts(bn, buckets=6)["no_grad forward 2"] == {}
+    assert collectives.expected_counts(plain, buckets=4)["no_grad forward 1"] == {}
     assert collectives.expected_counts(plain, buckets=4)["construct"] == {"allgather": 1, "broadcast": 2}
     assert collectives.expected_counts(plain, buckets=7)["step 3"] == {"allreduce": 7}
 

@@ -1,8 +1,10 @@
 """Notebook 10's compile, sharding and checkpoint checks at a world size the notebook does not
 run (it runs at DDP_LESSON_NPROC, 2 in CI): 3 gloo CPU ranks, a real torchrun launch through
 ddp_lesson.launch, the smallest runs that can fail (2-3 steps). As in the notebook, one launch
-runs the three scripts in turn in the same ranks (--then, ddp_lesson/chain.py): compile, shard,
-then the DCP save; the checkpoint is then loaded at 1 rank (the notebook loads at N + 1).
+runs the scripts in turn in the same ranks (--then, ddp_lesson/chain.py): beyond_amp.py with
+its all-reduce planted away (no_sync() over every micro-batch: the ranks really differ, and the
+amp check must say so), compile, shard, then the DCP save; the checkpoint is then loaded at
+1 rank (the notebook loads at N + 1).
 
 torch.compile's graph split (cell 10-13) is mirrored here at 3 ranks in a short run (3 steps):
 the graphs handed to aot_eager, AOTAutograd's forward and backward graphs, DDP's rebuilt
@@ -20,6 +22,7 @@ import copy
 import importlib
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +35,8 @@ from ddp_lesson.lesson import SCRIPTS, load_script
 
 WORLD = 3
 STEPS = 2
+AMP_ARGS = ["--precision", "fp16", "--steps", "2", "--accum-steps", "2", "--batch-size", "8", "--max-norm", "0.2"]
+AMP_NOSYNC = "            with model.no_sync() if not last else contextlib.nullcontext():  # all-reduce on the last only\n"
 
 
 def finished(run, filename):
@@ -44,8 +49,18 @@ def finished(run, filename):
 def launched(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs10")
     ckpt = base / "ckpt"
-    run = launch.start(SCRIPTS / "beyond_compile.py", cpu=True, nproc=WORLD, run_dir=base / "chain", timeout=600,
-                       args=["--steps", 3, "--then", "beyond_shard", "--steps", STEPS,
+    # First link: beyond_amp.py with the all-reduce planted away (no_sync() over every
+    # micro-batch), so its "same on all ranks" check meets ranks that really differ. Chained
+    # links are imported from the first script's folder: the real ones are copied beside it.
+    folder = base / "planted"
+    folder.mkdir()
+    text = (SCRIPTS / "beyond_amp.py").read_text()
+    assert text.count(AMP_NOSYNC) == 1, "beyond_amp.py no longer holds its no_sync() line"
+    (folder / "beyond_amp.py").write_text(text.replace(AMP_NOSYNC, "            with model.no_sync():\n"))
+    for name in ("beyond_compile.py", "beyond_shard.py", "beyond_dcp.py"):
+        shutil.copy(SCRIPTS / name, folder / name)
+    run = launch.start(folder / "beyond_amp.py", cpu=True, nproc=WORLD, run_dir=base / "chain", timeout=600,
+                       args=[*AMP_ARGS, "--then", "beyond_compile", "--steps", 3, "--then", "beyond_shard", "--steps", STEPS,
                              "--then", "beyond_dcp", "--save", ckpt, "--steps", STEPS])
     run.wait()              # ended before any test: the leftover-process check runs per test
     yield {"run": run, "ckpt": ckpt}
@@ -255,7 +270,6 @@ def planted(tmp_path, name, old, new):
     return load_script(path)
 
 
-AMP_ARGS = ["--precision", "fp16", "--steps", "2", "--accum-steps", "2", "--batch-size", "8", "--max-norm", "0.2"]
 UNSCALE = "        scaler.unscale_(opt)                               # 1. true gradients (no-op without fp16)\n"
 CLIP = "        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)  # 2. then clip\n"
 
@@ -282,11 +296,22 @@ def test_amp_check_fails_on_the_wrong_clip_order(one_rank, tmp_path):
                                    "get_total_norm([p.grad for p in model.parameters()])"))
     with pytest.raises(AssertionError, match="after clipping"):
         amp10.check(amp_of(no_clip, one_rank))
-    # One rank cannot show ranks that differ: a missing all-reduce is planted in the record.
+    # One rank cannot show ranks that differ: test_amp_check_fails_when_no_micro_batch_all_reduces
+    # runs that at 3 ranks. Here, the check reads the field: planted in the record.
     differ = copy.deepcopy(amp)
     differ["steps"][-1]["same_on_all_ranks"] = False
     with pytest.raises(AssertionError, match="different gradients"):
         amp10.check(differ)
+
+
+def test_amp_check_fails_when_no_micro_batch_all_reduces(launched):
+    # The 3-rank launch's first link: beyond_amp.py run for real with no_sync() over the last
+    # micro-batch too, so no gradient is ever all-reduced and every rank keeps its own.
+    amp = finished(launched["run"], "amp.json")
+    assert amp["world_size"] == WORLD and amp["scaler"]
+    assert [s["same_on_all_ranks"] for s in amp["steps"]] == [False] * len(amp["steps"])
+    with pytest.raises(AssertionError, match="different gradients"):
+        load_script(SCRIPTS / "beyond_amp.py").check(amp)
 
 
 def test_compress_check_fails_when_a_hook_does_not_compress(one_rank, monkeypatch):
