@@ -270,3 +270,32 @@ def test_set_epoch_checker_compares_every_pair_of_epochs(tmp_path, world):
                                      for r in range(1, world)] for e in range(epochs)]
     with pytest.raises(AssertionError, match="rank 0 trained on the same samples in epochs 0 and 1"):
         exercises.check_set_epoch(_set_epoch_run(tmp_path / "keep", keep, n))
+
+
+def test_step_timer_is_the_models_one_comm_hook(monkeypatch):
+    # 03 says: ddp_basic.py's StepTimer registers DDP's one comm hook (so a learner's own
+    # register_comm_hook raises), it averages like DDP's default, and DDP_LESSON_STEP_TIMES=0
+    # leaves DDP's built-in path free
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from ddp_lesson import metrics
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        for times, raises in (("1", True), ("0", False)):
+            monkeypatch.setenv("DDP_LESSON_STEP_TIMES", times)
+            torch.manual_seed(0)
+            model = DDP(torch.nn.Linear(4, 2))
+            metrics.StepTimer(model)
+            model(torch.randn(3, 4)).sum().backward()
+            assert model.module.weight.grad is not None
+            if raises:
+                with pytest.raises(RuntimeError, match="can only be called once"):
+                    model.register_comm_hook(None, default_hooks.allreduce_hook)
+            else:
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
+    finally:
+        dist.destroy_process_group()
