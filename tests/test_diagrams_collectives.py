@@ -14,6 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_lesson import diagrams, launch
 from ddp_lesson.diagrams import collectives
+from ddp_lesson.diagrams.shapes import DEVICE_COLOURS
 
 
 def texts(fig):
@@ -67,19 +68,47 @@ def test_all_reduce_planted_wrong_inputs_show():
     assert [r[0] for r in drawn_rows(swapped)] != before
 
 
+def gloo_all_reduce(tensors):
+    """A real gloo all_reduce (sum) over len(tensors) ranks, one thread each, in this process
+    (no launch): returns every rank's tensor after it."""
+    import threading
+    store, world, out = dist.HashStore(), len(tensors), [None] * len(tensors)
+
+    def rank(r):
+        pg = dist.ProcessGroupGloo(store, r, world)
+        t = tensors[r].clone()
+        pg.allreduce([t]).wait()
+        out[r] = t
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(o is not None for o in out), "the gloo all_reduce did not finish"
+    return out
+
+
 def test_all_reduce_from_a_real_all_reduce():
-    # one gloo rank: the smallest real world; its sum over ranks is its own tensor
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        t = torch.tensor([0.25, -0.5, 1.0])
-        before = [t.tolist()]
-        dist.all_reduce(t)
-        fig = diagrams.all_reduce_before_after(before, [(t / dist.get_world_size()).tolist()])
-        assert drawn_rows(fig)[0][1] == pytest.approx(t.tolist(), abs=1e-4)
-        assert any("/ 1: the mean" in tx for tx in texts(fig))
-    finally:
-        dist.destroy_process_group()
+    # two real gloo ranks: what DDP leaves is the all_reduce's sum divided by the world size
+    before = [torch.tensor([0.25, -0.5, 1.0]), torch.tensor([0.75, 1.5, -3.0])]
+    summed = gloo_all_reduce(before)
+    assert summed[0].tolist() == summed[1].tolist() == [1.0, 1.0, -2.0]     # gloo summed them
+    b = [t.tolist() for t in before]
+    mean = diagrams.all_reduce_before_after(b, [(t / 2).tolist() for t in summed])
+    assert [r[1] for r in drawn_rows(mean)] == [pytest.approx([0.5, 0.5, -1.0], abs=1e-4)] * 2
+    assert any("/ 2: the mean" in tx for tx in texts(mean))
+    plain = diagrams.all_reduce_before_after(b, [t.tolist() for t in summed])   # not divided
+    assert any("sum over the 2 ranks, on every rank (not divided)" in tx for tx in texts(plain))
+
+
+def test_all_reduce_verdict_edge_cases():
+    # one rank: the mean is its own tensor, and anything else is neither
+    assert "/ 1: the mean" in collectives.all_reduce_verdict([[0.5, -1.0]], [[0.5, -1.0]])
+    assert "neither" in collectives.all_reduce_verdict([[0.5, -1.0]], [[1.0, -2.0]])
+    # all-zero gradients (a bias nobody's loss reached): sum = mean, not "not divided"
+    zero = collectives.all_reduce_verdict([[0.0, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]])
+    assert "both zero" in zero and "not divided" not in zero
 
 
 # ---- layers to buckets
@@ -127,6 +156,44 @@ def test_layers_to_buckets_colours_each_parameter_by_its_bucket():
     assert "bucket 0 holds the last layer: layers in reverse registration order" in texts(fig)
 
 
+def drawn_arrows(fig):
+    """(parameter, bucket box label) for every arrow, read from where the arrow starts and ends."""
+    from matplotlib.patches import FancyArrowPatch
+    ax = fig.axes[0]
+    spans = []   # (x0, x1, y0, y1, label) of every labelled box
+    for p in ax.patches:
+        if isinstance(p, FancyBboxPatch) and p.get_facecolor()[3] > 0:
+            x, y, w, h = p.get_x(), p.get_y(), p.get_width(), p.get_height()
+            label = next(t.get_text() for t in ax.texts
+                         if t.get_position() == pytest.approx((x + w / 2, y + h / 2), abs=1e-3))
+            spans.append((x, x + w, y, y + h, label))
+
+    def at(x, y):   # the box nearest the point (arrows stop a little short of the boxes)
+        return min(spans, key=lambda b: max(b[0] - x, 0, x - b[1]) + max(b[2] - y, 0, y - b[3]))[4]
+
+    out = []
+    for p in ax.patches:
+        if isinstance(p, FancyArrowPatch):
+            v = p.get_path().vertices
+            out.append((at(*v[0]), at(*v[-1])))
+    return out
+
+
+def test_layers_to_buckets_arrows_go_to_each_parameters_bucket():
+    params, buckets, first = real_buckets()
+    fig = diagrams.layers_to_buckets(params, buckets, first)
+    want = sorted((p, f"bucket {k}: " + ", ".join(b)) for k, b in enumerate(buckets) for p in b)
+    assert sorted(drawn_arrows(fig)) == want
+
+
+def test_layers_to_buckets_first_step_boxes_count_their_own_parameters():
+    params, buckets, _ = real_buckets()
+    fig = diagrams.layers_to_buckets(params, buckets, first_step=buckets)   # several first buckets
+    labels = [label for _, _, label, _ in boxes(fig)]
+    for k, b in enumerate(buckets):
+        assert f"bucket {k}\n{len(b)} parameters" in labels
+
+
 def test_layers_to_buckets_planted_wrong_assignment_shows():
     params, buckets, _ = real_buckets()
     wrong = buckets[::-1]                                    # first layer's bucket first
@@ -168,13 +235,18 @@ def test_set_epoch_orders_draws_every_ranks_indices(world):
     t = texts(fig)
     assert t.index("the same order every epoch") < t.index("with set_epoch") < t.index("a new order every epoch")
     assert [x for x in t if x.startswith("epoch 1, rank ")] == [f"epoch 1, rank {r}" for r in range(world)] * 2
+    # every box in its rank's colour, whatever the epoch
+    colours = [c for _, _, _, c in boxes(fig)]
+    want = [to_hex(DEVICE_COLOURS[r]) for e in without + with_ for r, share in enumerate(e) for _ in share]
+    assert colours == want
 
 
 def test_set_epoch_orders_planted_wrong_input_shows():
     without = sampler_orders(2, False)
     forged = [without[0], sampler_orders(2, True)[1], without[2]]    # one epoch reshuffled
     fig = diagrams.set_epoch_orders({"without set_epoch": forged})
-    assert "a new order every epoch" in texts(fig)
+    assert "epoch 2 repeats epoch 0" in texts(fig)                   # every pair compared
+    assert "a new order every epoch" not in texts(fig) and "the same order every epoch" not in texts(fig)
     assert drawn_orders(fig) != [share for e in without for share in e]
 
 

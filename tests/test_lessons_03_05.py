@@ -222,3 +222,80 @@ def test_window_rows_and_first_bn_picture_at_one_rank(monkeypatch):
             assert abs(stats[1] / values.var(unbiased=False) - 1) < 1e-4
     finally:
         dist.destroy_process_group()
+
+
+def _set_epoch_run(path, shards_per_epoch, n):
+    """A finished run directory as ex_set_epoch.py writes it, built by hand (no launch):
+    shards_per_epoch[e][r] = the indices rank r trained on in epoch e."""
+    world = len(shards_per_epoch[0])
+    (path / "metrics").mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"world_size": world}))
+    (path / "result.json").write_text(json.dumps({"status": "ok"}))
+    for r in range(world):
+        rows = [{"time": 0, "rank": r, "step": 0, "samples": n}]
+        rows += [{"time": e + 1, "rank": r, "step": e + 1, "epoch": e, "indices": shards[r]}
+                 for e, shards in enumerate(shards_per_epoch)]
+        (path / "metrics" / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_set_epoch_checker_compares_every_pair_of_epochs(tmp_path, world):
+    import torch
+    from ddp_lesson import exercises
+    n, epochs = 96, 3
+    # the notebook's solution: a permutation from seed + epoch, every world-th index from the rank
+    solution = [[torch.randperm(n, generator=torch.Generator().manual_seed(e)).tolist()[r::world]
+                 for r in range(world)] for e in range(epochs)]
+    assert "3 epochs" in exercises.check_set_epoch(_set_epoch_run(tmp_path / "ok", solution, n))
+    # two orders taken in turn: neighbouring epochs differ, epoch 2 repeats epoch 0
+    with pytest.raises(AssertionError, match="same order in epochs 0 and 2"):
+        exercises.check_set_epoch(_set_epoch_run(tmp_path / "alternating", solution[:2] + solution[:1], n))
+    if world == 1:
+        return
+    # one fixed shuffle whose shards rotate over the ranks: every rank's order and set change
+    # from epoch to epoch, but the shards are only handed on
+    fixed = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    rotating = [[fixed[(r + e) % world::world] for r in range(world)] for e in range(epochs)]
+    for a, b in zip(rotating, rotating[1:]):                  # what the old checker compared
+        assert all(a[r] != b[r] and set(a[r]) != set(b[r]) for r in range(world))
+    with pytest.raises(AssertionError, match="epochs 0 and 1 split the samples into the same shards"):
+        exercises.check_set_epoch(_set_epoch_run(tmp_path / "rotating", rotating, n))
+    # only some rank gets new samples: rank 0 keeps its shard, reordered; the others share the
+    # rest anew every epoch (the old checker asked only that some rank's set changed)
+    mine = fixed[0::world]
+    rest = sorted(set(range(n)) - set(mine))
+    keep = [[mine[e:] + mine[:e]] + [[rest[i] for i in torch.randperm(len(rest), generator=torch.Generator()
+                                                                      .manual_seed(e))][r - 1::world - 1]
+                                     for r in range(1, world)] for e in range(epochs)]
+    with pytest.raises(AssertionError, match="rank 0 trained on the same samples in epochs 0 and 1"):
+        exercises.check_set_epoch(_set_epoch_run(tmp_path / "keep", keep, n))
+
+
+def test_step_timer_is_the_models_one_comm_hook(monkeypatch):
+    # 03 says: ddp_basic.py's StepTimer registers DDP's one comm hook (so a learner's own
+    # register_comm_hook raises), it averages like DDP's default, and DDP_LESSON_STEP_TIMES=0
+    # leaves DDP's built-in path free
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from ddp_lesson import metrics
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        for times, raises in (("1", True), ("0", False)):
+            monkeypatch.setenv("DDP_LESSON_STEP_TIMES", times)
+            torch.manual_seed(0)
+            model = DDP(torch.nn.Linear(4, 2))
+            metrics.StepTimer(model)
+            model(torch.randn(3, 4)).sum().backward()
+            assert model.module.weight.grad is not None
+            if raises:
+                with pytest.raises(RuntimeError, match="can only be called once"):
+                    model.register_comm_hook(None, default_hooks.allreduce_hook)
+            else:
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
+    finally:
+        dist.destroy_process_group()

@@ -32,6 +32,8 @@ def all_reduce_verdict(before, after):
     mean = [t / n for t in total]
     if all(_close(a, mean) for a in after) and (n == 1 or not _close(mean, total)):
         return f"after = (sum over the {n} ranks) / {n}: the mean, on every rank"
+    if all(_close(a, mean) for a in after):   # n > 1 and sum = mean: both are zero
+        return f"after = sum = mean = 0 over the {n} ranks (both zero: cannot tell which)"
     if all(_close(a, total) for a in after):
         return f"after = sum over the {n} ranks, on every rank (not divided)"
     return "after: neither the sum nor the mean of the ranks' values"
@@ -125,9 +127,14 @@ def layers_to_buckets(params, buckets, first_step=None, title="which parameters 
 
 
 def set_epoch_verdict(epochs):
-    """`epochs[e][r]`: rank r's indices in epoch e. Whether the orders repeat every epoch."""
-    return ("the same order every epoch" if all(e == epochs[0] for e in epochs)
-            else "a new order every epoch")
+    """`epochs[e][r]`: rank r's indices in epoch e. Compares every pair of epochs: all the same,
+    all different, or which later epoch repeats which earlier one."""
+    if all(e == epochs[0] for e in epochs):
+        return "the same order every epoch"
+    repeats = [(a, b) for b in range(len(epochs)) for a in range(b) if epochs[a] == epochs[b]]
+    if not repeats:
+        return "a new order every epoch"
+    return "; ".join(f"epoch {b} repeats epoch {a}" for a, b in repeats)
 
 
 def set_epoch_orders(orders, title="the index order each rank sees, epoch by epoch"):

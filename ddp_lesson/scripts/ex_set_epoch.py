@@ -5,7 +5,7 @@ Trains a small model for 3 epochs on 96 samples and logs, every step, which samp
 rank trained on (`indices`), so a checker can read the order back from the run directory.
 The sampler is ShardSampler, written here instead of DistributedSampler. Your job: write its
 __iter__ (the line marked # your answer here), so that the ranks' shards are disjoint and
-cover the data, and every epoch sees a different order.
+cover the data, and every epoch brings a new order and, for every rank, a new set of samples.
 """
 import os
 
