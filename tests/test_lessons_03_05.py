@@ -17,8 +17,9 @@ The pictures of those cells are tested in tests/test_diagrams_collectives.py.
 - SyncBN equals BN over the concatenated batch (syncbn_stats.py): 04 cell 04-08; the
   per-rank vs SyncBN statistics it draws: 04 cell 04-pic2;
 - accumulation exact without BN and not with it, one all-reduce per step with no_sync, the
-  same weights (accum_nosync.py): 05 cell 05-10; the accumulation windows it logs, against
-  ddp_accum.py's own lines: 05 cell 05-15;
+  same weights (accum_nosync.py): 05 cell 05-10; the accumulation windows of ddp_accum.py's
+  own loop (its `accumulate`), measured: 05 cell 05-15, and here the same check against
+  planted wrong loops, at one rank;
 - the lesson scripts train, log per rank and save model.pt: ddp_basic.py 03 cells 03-06 and
   03-08, ddp_syncbn.py 04 cell 04-11, ddp_accum.py with a partial window 05 cell 05-07.
 What stays: the scripts' source (small diffs, every DDP line shown), argparse, the one launcher
@@ -47,7 +48,7 @@ def test_sync_bn_flag_takes_no_value():
 
 
 @pytest.mark.parametrize("old,new,max_changed", [("ddp_basic.py", "ddp_syncbn.py", 12),
-                                                 ("ddp_syncbn.py", "ddp_accum.py", 30)])
+                                                 ("ddp_syncbn.py", "ddp_accum.py", 40)])
 def test_each_lesson_script_is_a_small_diff(old, new, max_changed):
     a, b = (SCRIPTS / old).read_text().splitlines(), (SCRIPTS / new).read_text().splitlines()
     changed = [l for l in difflib.unified_diff(a, b, lineterm="", n=0)
@@ -193,9 +194,55 @@ def test_syncbn_stats_reference_runs_copy_ddp_syncbn_loop(tmp_path):
         assert run["test_accuracy"] == pytest.approx(accuracy, abs=1e-6), name
 
 
+def loop_problems(win):
+    """Notebook 05 cell 05-15's checks of a measured accumulation loop: what is wrong, if anything."""
+    n, k = win["n"], win["k"]
+    last = [(i + 1) % k == 0 or i + 1 == n for i in range(n)]
+    problems = []
+    for rows, steps in zip(win["rows"], win["steps"]):
+        if [r["all_reduces"] > 0 for r in rows] != last:
+            problems.append("all-reduces")
+        if [s["micro_batches"] for s in steps] != [4, 4, 2]:
+            problems.append("windows")
+        if any(s["grad_rel_err"] > 1e-4 for s in steps):
+            problems.append("gradient")
+    if win["weights_spread"] > 1e-6:
+        problems.append("ranks apart")
+    return problems
+
+
+PLANTED_LOOPS = {   # a wrong edit of ddp_accum.py's loop -> what the check must notice
+    "no_sync around backward only": (
+        """        with contextlib.nullcontext() if last else model.no_sync():
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            (loss / window).backward()""",
+        """        out = model(x)
+        loss = F.cross_entropy(out, y)
+        with contextlib.nullcontext() if last else model.no_sync():
+            (loss / window).backward()""", "all-reduces"),
+    "no no_sync": ("with contextlib.nullcontext() if last else model.no_sync():",
+                   "with contextlib.nullcontext():", "all-reduces"),
+    "no_sync on the last only": ("with contextlib.nullcontext() if last else model.no_sync():",
+                                 "with model.no_sync() if last else contextlib.nullcontext():", "all-reduces"),
+    "zero_grad every micro-batch": ("        window = min(", "        opt.zero_grad()\n        window = min(",
+                                    "gradient"),
+    "no zero_grad": ("        opt.zero_grad(set_to_none=True)\n", "", "gradient"),
+    "divided by k": ("(loss / window).backward()", "(loss / k).backward()", "gradient"),
+    "a step every micro-batch": ("        if not last:\n            continue\n", "", "windows"),
+}
+
+
+def loop_from(source):
+    namespace = {"__name__": "ddp_accum_planted"}
+    exec(compile(source, "ddp_accum_planted.py", "exec"), namespace)
+    return namespace["accumulate"]
+
+
 def test_window_rows_and_first_bn_picture_at_one_rank(monkeypatch):
     """The numbers notebooks 04 and 05 draw (diagrams.bn_statistics, accumulation_windows),
-    at one gloo rank in this process; the notebooks assert them at 2 and 3 ranks."""
+    at one gloo rank in this process; the notebooks assert them at 2 and 3 ranks. The
+    accumulation check runs ddp_accum.py's own loop: each planted wrong loop must fail it."""
     import argparse
 
     import torch
@@ -205,14 +252,24 @@ def test_window_rows_and_first_bn_picture_at_one_rank(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import accum_nosync
     import syncbn_stats
+    source = (SCRIPTS / "ddp_accum.py").read_text()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        win = accum_nosync.window_rows(models.SmallCNN(norm=False), n=10, k=4)
+        base = models.SmallCNN(norm=False)
+        win = accum_nosync.window_rows(base, loop_from(source), n=10, k=4)
         rows = win["rows"][0]
         assert [r["window"] for r in rows] == [4] * 8 + [2] * 2
         assert [r["step"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 2
         assert [r["all_reduces"] > 0 for r in rows] == [i in (4, 8, 10) for i in range(1, 11)]
+        assert [s["divided_by"] for s in win["steps"][0]] == [4, 4, 2]
+        assert loop_problems(win) == []
+        for name, (old, new, problem) in PLANTED_LOOPS.items():
+            assert source.count(old) == 1, name
+            planted = accum_nosync.window_rows(base, loop_from(source.replace(old, new)), n=10, k=4)
+            assert problem in loop_problems(planted), (name, loop_problems(planted))
+        divided = accum_nosync.window_rows(base, loop_from(source.replace(*PLANTED_LOOPS["divided by k"][:2])), n=10, k=4)
+        assert [s["divided_by"] for s in divided["steps"][0]] == [4, 4, 4]
         args = argparse.Namespace(seed=0, train_samples=64, batch_size=4)
         pic = syncbn_stats.first_bn_picture(args, torch.device("cpu"))
         values = torch.tensor(pic["values"], dtype=torch.float64)

@@ -3,8 +3,8 @@ and accumulation windows, micro-batches grouped into optimizer steps (notebook 0
 
 Both are drawn from a run's own numbers: the values one BN channel saw on each rank and the
 statistics the layers computed; the rows an accumulation loop logged per micro-batch. Every
-drawn item carries a `gid` ("mean:rank0", "window:2", "micro:1:3", ...), so a test can read
-the figure back and compare it with its input.
+drawn item carries a `gid` ("mean:rank0", "window:2", "micro:1:3", ...), so a test can find
+it, read its position, colour and text back, and compare them with the input.
 """
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -88,7 +88,10 @@ def accumulation_windows(rows):
             x = row["micro_batch"] - 1
             box(ax, x + 0.05, y, 0.8, 0.7, "AR" if on else "", "#C44E52" if on else "grey",
                 alpha=0.6 if on else 0.12, fontsize=7)
-            ax.patches[-1].set_gid(f"micro:{rank}:{row['micro_batch']}:{'AR' if on else 'no_sync'}")
+            cell = f"{rank}:{row['micro_batch']}"
+            ax.patches[-2].set_gid(f"micro-fill:{cell}")
+            ax.patches[-1].set_gid(f"micro:{cell}")
+            ax.texts[-1].set_gid(f"micro-text:{cell}")
     ax.set_xlim(-0.3, n + 0.1)
     ax.set_ylim(-0.4, ranks + 1.0)
     ax.set_yticks([ranks - 1 - r + 0.35 for r in range(ranks)])

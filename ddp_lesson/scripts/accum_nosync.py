@@ -5,17 +5,23 @@
 2. In DDP, counted by a communication hook: with no_sync() on all but the last micro-batch,
    one all-reduce per optimizer step (per gradient bucket); without it, k. Same weights.
 3. Time per optimizer step with and without no_sync, side by side.
-4. Accumulation windows: ddp_accum.py's loop lines (window, last, no_sync) over N micro-batches
-   with k = K, so the last window is short; each micro-batch logs its window and how many
-   all-reduces its forward and backward launched (notebook 05 draws these rows).
+4. Accumulation windows: ddp_accum.py's own loop, its function `accumulate` (--loop PATH: the
+   learner's copy), over 10 micro-batches with k = K, so the last window is short. Measured: each
+   micro-batch's optimizer step and all-reduces, each step's gradient against the mean gradient
+   of its window over all ranks, and how far the ranks' weights end apart (notebook 05 draws
+   and checks these).
 Writes accum.json. Then, in the same launch, the four no_sync placements of the exercise
 script ex_no_sync.py (its rows go to this run's metrics, which the exercise reads).
 """
 import contextlib
+import importlib.util
 import copy
 import json
+import math
 import os
+import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -67,30 +73,75 @@ def train(model, batches, use_no_sync):
         opt.zero_grad()
 
 
-def window_rows(base, n=10, k=K):
-    """ddp_accum.py's accumulation loop over n micro-batches, k per optimizer step, with its
-    own `window` and `last` lines: one row per micro-batch, the all-reduces counted by a hook."""
+class Watched:
+    """The optimizer the accumulation loop steps, watched: at each step() it compares the
+    gradient with the reference, the mean gradient of the window's samples over all ranks."""
+    def __init__(self, model, micro):
+        self.model, self.micro, self.opt = model, micro, torch.optim.SGD(model.parameters(), lr=0.05)
+        self.start, self.steps = copy.deepcopy(model.module), []
+
+    def step(self):
+        ref, m = self.start, len(self.micro)      # the weights at the window's start
+        ref.zero_grad(set_to_none=True)
+        for x, y in self.micro:
+            (F.cross_entropy(ref(x), y) / m).backward()
+        want = grads(ref)
+        dist.all_reduce(want)
+        want /= dist.get_world_size()             # DDP's gradient: the mean over ranks
+        got = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                         for p in self.model.parameters()])
+        self.steps.append({"micro_batches": m,
+                           "grad_rel_err": ((got - want).abs().max() / want.abs().max()).item(),
+                           "divided_by": round(m * want.dot(want).item() / (want.dot(got).item() or math.nan), 3)})
+        self.opt.step()
+        self.start, self.micro[:] = copy.deepcopy(self.model.module), []
+
+    def zero_grad(self, set_to_none=True):
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
+def window_rows(base, loop, n=10, k=K):
+    """Run an accumulation loop (ddp_accum.py's `accumulate`, the learner's copy) over n
+    micro-batches, k per optimizer step, and measure it: one row per micro-batch with its
+    optimizer step, its window and the all-reduces its forward and backward launched (a
+    comm hook counts them); per step, the gradient against the reference; the ranks' weights."""
     model = DDP(copy.deepcopy(base))
     state = Counter()
     model.register_comm_hook(state, counting_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = data.shapes(n * B, seed=5 + dist.get_rank()).tensors
-    rows, step = [], 1
-    for i, (xi, yi) in enumerate(zip(x.chunk(n), y.chunk(n))):
-        window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
-        last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
-        before = state.calls
-        with contextlib.nullcontext() if last else model.no_sync():
-            (F.cross_entropy(model(xi), yi) / window).backward()
-        rows.append({"micro_batch": i + 1, "step": step, "window": window,
-                     "all_reduces": state.calls - before})
-        if last:
-            opt.step()
-            opt.zero_grad()
-            step += 1
+    micro, calls = [], []                         # this window's micro-batches; hook calls so far
+    opt = Watched(model, micro)
+
+    def batches():                                # hands out micro-batches, noting the hook calls
+        for xi, yi in zip(x.chunk(n), y.chunk(n)):
+            calls.append((state.calls, len(opt.steps)))
+            micro.append((xi, yi))
+            yield xi, yi
+
+    for _ in loop(model, opt, types.SimpleNamespace(step=lambda: None), batches(), k, n, torch.device("cpu")):
+        pass
+    calls.append((state.calls, len(opt.steps)))
+    sizes = [s["micro_batches"] for s in opt.steps]
+    rows = [{"micro_batch": i + 1, "step": s + 1, "window": sizes[s] if s < len(sizes) else None,
+             "all_reduces": calls[i + 1][0] - c}
+            for i, (c, s) in enumerate(calls[:-1])]
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, rows)
-    return {"n": n, "k": k, "rows": every}
+    dist.all_gather_object(every, {"rows": rows, "steps": opt.steps, "weights": weights.tolist()})
+    spread = max(max(abs(a - b) for a, b in zip(e["weights"], every[0]["weights"])) for e in every)
+    return {"n": n, "k": k, "rows": [e["rows"] for e in every], "steps": [e["steps"] for e in every],
+            "weights_spread": spread}
+
+
+def ddp_accum_loop():
+    """`accumulate` from the ddp_accum.py named by --loop PATH (the learner's copy), else from
+    the sibling script."""
+    path = sys.argv[sys.argv.index("--loop") + 1] if "--loop" in sys.argv else \
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_accum.py")
+    spec = importlib.util.spec_from_file_location("ddp_accum_checked", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)              # its main() runs only as a script
+    return module.accumulate
 
 
 def main():
@@ -130,7 +181,7 @@ def main():
             train(model, batches, use)
             times[name].append(1000 * (time.perf_counter() - t0) / STEPS)
     out["ms_per_optimizer_step"] = {k: min(v) for k, v in times.items()}
-    out["windows"] = window_rows(base)
+    out["windows"] = window_rows(base, ddp_accum_loop())
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "accum.json"), "w") as f:
             json.dump(out, f, indent=1)

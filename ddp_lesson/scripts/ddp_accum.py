@@ -50,6 +50,27 @@ def evaluate(model, test_set, rank, world_size, device):
     return (counts[0] / counts[1]).item(), int(counts[1].item())  # accuracy, samples counted
 
 
+def accumulate(model, opt, sched, batches, k, n, device):
+    """One epoch of n micro-batches, one optimizer step per window of k of them. Yields
+    (i, out, y, loss) of each window's last micro-batch, after its optimizer step."""
+    for i, (x, y) in enumerate(batches):
+        x, y = x.to(device), y.to(device)
+        window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
+        last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
+        # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
+        with contextlib.nullcontext() if last else model.no_sync():
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            (loss / window).backward()  # the mean over the window, as one big batch
+        if not last:
+            continue
+        # gradient clipping would go here: on the window's whole, all-reduced gradient
+        opt.step()  # one optimizer step per window (the all-reduce ran in the last backward)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        yield i, out, y, loss
+
+
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
 def main():
     args = parse_args()
@@ -89,21 +110,8 @@ def main():
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         t0 = time.perf_counter()
-        k, n = args.accum_steps, len(loader)
-        for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
-            x, y = x.to(device), y.to(device)
-            window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
-            last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
-            # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
-            with contextlib.nullcontext() if last else model.no_sync():
-                out = model(x)
-                loss = F.cross_entropy(out, y)
-                (loss / window).backward()  # the mean over the window, as one big batch
-            if not last:
-                continue
-            opt.step()  # one optimizer step per window (the all-reduce ran in the last backward)
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+        batches = timer.timed(loader)  # timed: data_s
+        for i, out, y, loss in accumulate(model, opt, sched, batches, args.accum_steps, len(loader), device):
             step += 1
             acc = (out.argmax(1) == y).float().mean()
             metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0],

@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 ex_syncbn.py
 Each rank trains a few steps with plain BatchNorm on its own shard of batch 4.
-`forward_sync_buffers=False`, so DDP does not copy rank 0's buffers over the others: each
-rank's running statistics come from its own batches. The script logs them, runs the lines
+`forward_sync_buffers=False`, so DDP does not copy rank 0's buffers over the others at each
+forward: each rank's running statistics come from its own batches. DDP(...) still copies them
+once, at init, when they are equal anyway. The script logs them, runs the lines
 marked # EXERCISE, and logs them again. Your job: make every rank hold the average over
 ranks of each BN layer's running mean and running variance.
 """
@@ -42,7 +43,7 @@ def main():
     loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler)
     model = models.SmallCNN(width=8).to(device)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None,
-                forward_sync_buffers=False)  # DDP: keep each rank's own BN buffers
+                forward_sync_buffers=False)  # DDP: no buffer copy per forward (one at init)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     for step, (x, y) in enumerate(loader, 1):
