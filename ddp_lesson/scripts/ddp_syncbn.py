@@ -1,7 +1,8 @@
 """Notebook 04: ddp_basic.py + SyncBatchNorm (BatchNorm statistics over all ranks' batches).
 
     torchrun --standalone --nproc-per-node 2 ddp_syncbn.py --epochs 2 --batch-size 4 --sync-bn
-Every line that makes it distributed is marked # DDP.
+Every line that makes it distributed is marked # DDP, the StepTimer line too: its comm hook
+does the gradient averaging, as DDP's default would, and times it.
 """
 import argparse
 import os
@@ -31,10 +32,9 @@ def parse_args():
 
 
 def evaluate(model, test_set, rank, world_size, device):
-    # DDP: a plain split rank::world_size counts every test sample exactly once. A
-    # DistributedSampler would pad the last shard with duplicates to equal lengths. model(x) is
-    # DDP's forward: only its first call after training broadcasts rank 0's buffers (notebook
-    # 03b, section 2), once on every rank, so uneven shards are fine while every rank has a batch.
+    # DDP: a plain split rank::world_size counts every test sample once; a DistributedSampler
+    # would pad it with duplicates. model(x) is DDP's forward, and its first call here sends
+    # rank 0's copy to every rank: a collective, so every rank needs at least one test batch.
     shard = Subset(test_set, range(rank, len(test_set), world_size))
     model.eval()
     counts = torch.zeros(2, device=device)  # [correct, seen] on this rank
@@ -79,7 +79,9 @@ def main():
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    timer = metrics.StepTimer(model)  # time per step: data / compute / waiting in the all-reduce
+    # DDP: registers a comm hook that averages gradients like DDP's default (divide by the world
+    # size, all-reduce) and times the step. Only one hook per model: drop this line to add yours.
+    timer = metrics.StepTimer(model)
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
 
