@@ -367,7 +367,8 @@ def fsdp_check(args, train_set, accum, device, rank):
                 with contextlib.nullcontext() if last or variant != "ddp" else model.no_sync():
                     loss = F.cross_entropy(model(x.to(device)).float().view(-1, 256), y.to(device).view(-1))
                     (loss / accum).backward()
-                sums += torch.stack([loss.detach().double() * y.numel(), torch.tensor(float(y.numel()))])
+                sums[0] += loss.detach().double() * y.numel()
+                sums[1] += y.numel()
             local = torch.nn.utils.get_total_norm([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                                                    for p in params])   # this rank's pieces only, before the clip
             # the clip, with every collective it issues counted (torch.profiler sees c10d's ops)
