@@ -316,7 +316,7 @@ def generate(model, prompt, n, device, seed=0):
 def shard_fsdp2(model, param_dtype=None):
     """FSDP2: each rank keeps 1/W of every weight. Each block is its own unit: its weights are
     all-gathered just before its forward (and again before its backward), freed after, and its
-    gradients reduce-scattered, so at most one block is whole at a time. The root unit holds the
+    gradients reduce-scattered, so only a block or two are whole at any time. The root unit holds the
     rest (embeddings, tied to the head, and the last LayerNorm). Mixed precision: the gathered
     weights and the compute in param_dtype, the gradients reduced in fp32; the optimizer keeps
     the fp32 shards."""
