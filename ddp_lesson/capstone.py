@@ -201,11 +201,12 @@ def check_same_training(ddp, other, weights, ddp_weights, init, precision="fp32"
     return worst
 
 
-def check_fsdp2(rows, weights, init, world):
+def check_fsdp2(rows, weights, init, world, layers, accum):
     """gpt_ddp.py --fsdp-check's claims: FSDP2 in fp32 trains DDP's model up to rounding, and
     with bf16 compute within bf16's rounding; its clip issues a collective where DDP's issues
-    none; each rank holds about 1/W of the weights; and the local-clip mistake fails the same
-    comparison (it must, at 2 ranks or more). Returns the figures."""
+    none; each rank holds about 1/W of the weights; each block is its own unit (step 1's
+    collectives); and the local-clip mistake fails the same comparison (it must, at 2 ranks
+    or more). Returns the figures."""
     v = fsdp_rows(rows)
     assert sorted(v) == ["ddp", "fsdp2_bf16", "fsdp2_fp32", "fsdp2_local_clip"], sorted(v)
     ddp, fp32, bf16, local = v["ddp"], v["fsdp2_fp32"], v["fsdp2_bf16"], v["fsdp2_local_clip"]
@@ -215,6 +216,14 @@ def check_fsdp2(rows, weights, init, world):
     if world > 1:
         assert calls(fp32) == calls(bf16) == {(("c10d::allreduce_", 1),)}, (calls(fp32), calls(bf16))
         assert calls(local) == {()}, calls(local)
+        # step 1, on every rank: DDP one all-reduce (one bucket in its first step, and no_sync on all
+        # micro-batches but the last); FSDP2 per micro-batch an all-gather for the root and one per
+        # block in the forward, one per block again in the backward (the root stays gathered), and on
+        # the last micro-batch a reduce-scatter per unit (blocks and root)
+        step1 = {name: [v[name][1][r]["step_collectives"] for r in range(world)] for name in ("ddp", "fsdp2_fp32")}
+        assert step1["ddp"] == [{"c10d::allreduce_": 1}] * world, step1["ddp"]
+        assert step1["fsdp2_fp32"] == [{"c10d::_allgather_base_": accum * (2 * layers + 1),
+                                        "c10d::_reduce_scatter_base_": layers + 1}] * world, (step1, layers, accum)
         for s in fp32:   # the whole norm needs every rank's shards: sum of local squares = total squared
             total, parts = fp32[s][0]["check_grad_norm"], [fp32[s][r]["local_norm"] for r in range(world)]
             assert all(p < total for p in parts) and abs(sum(p * p for p in parts) ** 0.5 / total - 1) < 1e-5, (s, total, parts)
@@ -224,7 +233,8 @@ def check_fsdp2(rows, weights, init, world):
     assert max(held["fsdp2_fp32"]) <= held["ddp"][0] / world * 1.2, held            # about 1/W on each rank
     figures = {"fp32": check_same_training(ddp, fp32, weights["fsdp2_fp32"], weights["ddp"], init, "fp32"),
                "bf16": check_same_training(ddp, bf16, weights["fsdp2_bf16"], weights["ddp"], init, "bf16"),
-               "held": held, "clip_calls": {k: sorted(calls(x)) for k, x in (("ddp", ddp), ("fsdp2", fp32))}}
+               "held": held, "clip_calls": {k: sorted(calls(x)) for k, x in (("ddp", ddp), ("fsdp2", fp32))},
+               "step1": {name: v[name][1][0]["step_collectives"] for name in ("ddp", "fsdp2_fp32")}}
     if world > 1:
         try:
             check_same_training(ddp, local, weights["fsdp2_local_clip"], weights["ddp"], init, "fp32")

@@ -349,9 +349,12 @@ def test_fsdp2_trains_the_ddp_model_at_3_ranks(trio):
     torch.manual_seed(0)                                              # the script's --seed, before GPT(...)
     init = gpt.GPT(1, 2, 32, BLOCK).state_dict()
     weights = torch.load(rec.path / "fsdp_check.pt", map_location="cpu", weights_only=True)
-    f = capstone.check_fsdp2(rec.rows, weights, init, 3)
+    f = capstone.check_fsdp2(rec.rows, weights, init, 3, 1, G // 3)
     assert f["clip_calls"] == {"ddp": [()], "fsdp2": [(("c10d::allreduce_", 1),)]}
     assert "not the gradient DDP clipped" in f["local_clip_caught"]
+    assert f["step1"]["fsdp2_fp32"] == {"c10d::_allgather_base_": 4 * 3, "c10d::_reduce_scatter_base_": 2}   # 1 block
+    with pytest.raises(AssertionError):              # the counts tell per-block units from the root alone
+        capstone.check_fsdp2(rec.rows, weights, init, 3, 0, G // 3)
     assert f["fp32"]["weights"] < 1e-4 < f["bf16"]["weights"]        # bf16 really ran in bf16
     steps = capstone.fsdp_rows(rec.rows)
     loss = series(rec, "loss")                                       # the check's DDP is the run's DDP
@@ -359,10 +362,10 @@ def test_fsdp2_trains_the_ddp_model_at_3_ranks(trio):
     # planted: an FSDP2 whose clip issued no collective (each rank's own norm) ...
     rows = [dict(r, clip_collectives={}) if r.get("fsdp_variant") == "fsdp2_fp32" else r for r in rec.rows]
     with pytest.raises(AssertionError):
-        capstone.check_fsdp2(rows, weights, init, 3)
+        capstone.check_fsdp2(rows, weights, init, 3, 1, G // 3)
     # ... the mistake's weights passed off as FSDP2's, or the bf16 ones held to fp32's tolerance
     with pytest.raises(AssertionError, match="weights ended"):
-        capstone.check_fsdp2(rec.rows, dict(weights, fsdp2_fp32=weights["fsdp2_local_clip"]), init, 3)
+        capstone.check_fsdp2(rec.rows, dict(weights, fsdp2_fp32=weights["fsdp2_local_clip"]), init, 3, 1, G // 3)
     with pytest.raises(AssertionError):
         capstone.check_same_training(steps["ddp"], steps["fsdp2_bf16"], weights["fsdp2_bf16"], weights["ddp"], init)
     # ... and a check that let the local clip through is refused
@@ -370,7 +373,7 @@ def test_fsdp2_trains_the_ddp_model_at_3_ranks(trio):
     rows += [dict(r, fsdp_variant="fsdp2_local_clip", clip_collectives={}) for r in rows
              if r.get("fsdp_variant") == "fsdp2_fp32"]                 # a "mistake" that trained DDP's model
     with pytest.raises(AssertionError, match="cannot catch it"):
-        capstone.check_fsdp2(rows, dict(weights, fsdp2_local_clip=weights["fsdp2_fp32"]), init, 3)
+        capstone.check_fsdp2(rows, dict(weights, fsdp2_local_clip=weights["fsdp2_fp32"]), init, 3, 1, G // 3)
 
 
 def test_global_batch_checked_at_two_world_sizes_rejects_a_constant(tmp_path):

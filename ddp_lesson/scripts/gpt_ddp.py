@@ -359,16 +359,19 @@ def fsdp_check(args, train_set, accum, device, rank):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step - 1, args)
             sums = torch.zeros(2, dtype=torch.float64, device=device)
-            for i in range(accum):
-                x, y, _ = next(batches)
-                last = i == accum - 1
-                if variant != "ddp":
-                    model.set_requires_gradient_sync(last)  # FSDP2: its no_sync: reduce-scatter on the last only
-                with contextlib.nullcontext() if last or variant != "ddp" else model.no_sync():
-                    loss = F.cross_entropy(model(x.to(device)).float().view(-1, 256), y.to(device).view(-1))
-                    (loss / accum).backward()
-                sums[0] += loss.detach().double() * y.numel()
-                sums[1] += y.numel()
+            # step 1's forwards and backwards, with every collective they issue counted
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 1 \
+                    else contextlib.nullcontext() as step_prof:
+                for i in range(accum):
+                    x, y, _ = next(batches)
+                    last = i == accum - 1
+                    if variant != "ddp":
+                        model.set_requires_gradient_sync(last)  # FSDP2: its no_sync: reduce-scatter on the last only
+                    with contextlib.nullcontext() if last or variant != "ddp" else model.no_sync():
+                        loss = F.cross_entropy(model(x.to(device)).float().view(-1, 256), y.to(device).view(-1))
+                        (loss / accum).backward()
+                    sums[0] += loss.detach().double() * y.numel()
+                    sums[1] += y.numel()
             local = torch.nn.utils.get_total_norm([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                                                    for p in params])   # this rank's pieces only, before the clip
             # the clip, with every collective it issues counted (torch.profiler sees c10d's ops)
@@ -377,14 +380,14 @@ def fsdp_check(args, train_set, accum, device, rank):
                     norm = clip_local_shards(params, args.clip)
                 else:   # DDP: local, every rank has the whole averaged gradient. FSDP2: one all-reduce
                     norm = torch.nn.utils.clip_grad_norm_(params, args.clip)   # of the shards' partial norms
-            calls = collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
+            count = lambda prof: dict(collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::")))
             clipped = full(torch.nn.utils.get_total_norm([p.grad for p in params]))   # after the clip
             opt.step()
             opt.zero_grad(set_to_none=True)
             dist.all_reduce(sums)  # DDP: for the log only
             metrics.log(step, fsdp_variant=variant, check_loss=sums[0] / sums[1], check_grad_norm=full(norm),
-                        local_norm=local, clipped_norm=clipped, clip_collectives=dict(calls),
-                        **({"param_bytes_held": held} if step == 1 else {}))
+                        local_norm=local, clipped_norm=clipped, clip_collectives=count(prof),
+                        **({"param_bytes_held": held, "step_collectives": count(step_prof)} if step == 1 else {}))
         state = (model.module if variant == "ddp" else model).state_dict()
         state = {k: full(v).detach().cpu().clone() for k, v in state.items()}   # FSDP2: all ranks gather
         if rank == 0:
