@@ -252,10 +252,11 @@ def test_ddp_buckets_are_one_then_rebuilt_as_the_notebook_predicts():
 
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory):
-    """a: 3 ranks, 5 steps (epochs 0, 0, 1, 1, 2), checkpoint at 3. bf16: 1 rank, 2 steps, at
+    """a: 3 ranks, 5 steps (epochs 0, 0, 1, 1, 2), checkpoint at 3, then 2 steps each of DDP and
+    three FSDP2 variants (--fsdp-check). bf16: 1 rank, 2 steps, at
     the same time. c: a's step-3 checkpoint resumed on 1 rank for steps 4-5."""
     base = tmp_path_factory.mktemp("runs11")
-    a = launch.start(SCRIPTS / "gpt_ddp.py", nproc=3, cpu=True, args=TINY + ["--amp=off", "--save-at=3"],
+    a = launch.start(SCRIPTS / "gpt_ddp.py", nproc=3, cpu=True, args=TINY + ["--amp=off", "--save-at=3", "--fsdp-check=2"],
                      run_dir=base / "a", timeout=300, env=ONE_THREAD)
     bf16 = launch.start(SCRIPTS / "gpt_ddp.py", nproc=1, cpu=True, run_dir=base / "bf16", timeout=300, env=ONE_THREAD,
                         args=TINY + ["--amp=bf16", "--stop-at=2", "--sample-bytes=8"])
@@ -338,6 +339,41 @@ def test_rows_carry_tokens_per_s_and_mfu(trio):
     assert len(rates) == 3 * 5 and capstone.check_peak(peak, rates)
     assert all(0 < r["cpu_s"] and 0 < r["micro_cpu_s"] <= r["cpu_s"] for r in rows)
     assert exercises.check_global_batch(rec.path)                   # 12 windows per step, summed
+
+
+def test_fsdp2_trains_the_ddp_model_at_3_ranks(trio):
+    """11 section 8 at 3 ranks: FSDP2 (per block, then the root) in fp32 and bf16 against DDP
+    from the same seed, the clip's all-reduce, 1/3 of the weights per rank, and the local-clip
+    mistake run in the same launch caught by the same comparison."""
+    rec = trio["a"]
+    torch.manual_seed(0)                                              # the script's --seed, before GPT(...)
+    init = gpt.GPT(1, 2, 32, BLOCK).state_dict()
+    weights = torch.load(rec.path / "fsdp_check.pt", map_location="cpu", weights_only=True)
+    f = capstone.check_fsdp2(rec.rows, weights, init, 3, 1, G // 3)
+    assert f["clip_calls"] == {"ddp": [()], "fsdp2": [(("c10d::allreduce_", 1),)]}
+    assert "not the gradient DDP clipped" in f["local_clip_caught"]
+    assert f["step1"]["fsdp2_fp32"] == {"c10d::_allgather_base_": 4 * 3, "c10d::_reduce_scatter_base_": 2}   # 1 block
+    with pytest.raises(AssertionError):              # the counts tell per-block units from the root alone
+        capstone.check_fsdp2(rec.rows, weights, init, 3, 0, G // 3)
+    assert f["fp32"]["weights"] < 1e-4 < f["bf16"]["weights"]        # bf16 really ran in bf16
+    steps = capstone.fsdp_rows(rec.rows)
+    loss = series(rec, "loss")                                       # the check's DDP is the run's DDP
+    assert all(abs(steps["ddp"][s][0]["check_loss"] - loss[s]) < 1e-5 for s in (1, 2))
+    # planted: an FSDP2 whose clip issued no collective (each rank's own norm) ...
+    rows = [dict(r, clip_collectives={}) if r.get("fsdp_variant") == "fsdp2_fp32" else r for r in rec.rows]
+    with pytest.raises(AssertionError):
+        capstone.check_fsdp2(rows, weights, init, 3, 1, G // 3)
+    # ... the mistake's weights passed off as FSDP2's, or the bf16 ones held to fp32's tolerance
+    with pytest.raises(AssertionError, match="weights ended"):
+        capstone.check_fsdp2(rec.rows, dict(weights, fsdp2_fp32=weights["fsdp2_local_clip"]), init, 3, 1, G // 3)
+    with pytest.raises(AssertionError):
+        capstone.check_same_training(steps["ddp"], steps["fsdp2_bf16"], weights["fsdp2_bf16"], weights["ddp"], init)
+    # ... and a check that let the local clip through is refused
+    rows = [r for r in rec.rows if r.get("fsdp_variant") != "fsdp2_local_clip"]
+    rows += [dict(r, fsdp_variant="fsdp2_local_clip", clip_collectives={}) for r in rows
+             if r.get("fsdp_variant") == "fsdp2_fp32"]                 # a "mistake" that trained DDP's model
+    with pytest.raises(AssertionError, match="cannot catch it"):
+        capstone.check_fsdp2(rows, dict(weights, fsdp2_local_clip=weights["fsdp2_fp32"]), init, 3, 1, G // 3)
 
 
 def test_global_batch_checked_at_two_world_sizes_rejects_a_constant(tmp_path):

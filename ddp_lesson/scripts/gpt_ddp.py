@@ -7,6 +7,7 @@ averaging, as DDP's default hook would, and times it). Each optimizer step sees
 --global-batch windows of --block bytes, at any world size.
 """
 import argparse
+import collections
 import contextlib
 import glob
 import math
@@ -25,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -70,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-windows", type=int, default=0, help="train on the first n windows only (0: all)")
     p.add_argument("--allreduce-sweep", action="store_true", help="time all-reduces at the end (alpha-beta fit)")
+    p.add_argument("--fsdp-check", type=int, default=0,
+                   help="at the end: this many steps with DDP, then with FSDP2, from the seed (0: none)")
     return p.parse_args(argv)
 
 
@@ -307,6 +312,92 @@ def generate(model, prompt, n, device, seed=0):
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
+# -- FSDP2 as used for a transformer, against DDP in the same ranks (--fsdp-check) ------------
+def shard_fsdp2(model, param_dtype=None):
+    """FSDP2: each rank keeps 1/W of every weight. Each block is its own unit: its weights are
+    all-gathered just before its forward (and again before its backward), freed after, and its
+    gradients reduce-scattered, so only a block or two are whole at any time. The root unit holds the
+    rest (embeddings, tied to the head, and the last LayerNorm). Mixed precision: the gathered
+    weights and the compute in param_dtype, the gradients reduced in fp32; the optimizer keeps
+    the fp32 shards."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)  # FSDP2: one all-gather and one reduce-scatter per block
+    fully_shard(model, mp_policy=mp)      # FSDP2: the root, last (it stays gathered from forward to backward)
+    return model
+
+
+def clip_local_shards(params, max_norm):
+    """A MISTAKE, kept to show what the check catches: each rank clips its shards by the norm
+    of its own shards, not of the whole gradient. No collective, and a different clip per rank."""
+    grads = [p.grad.to_local() for p in params]          # this rank's pieces (views of the shards)
+    norm = torch.nn.utils.get_total_norm(grads)
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def fsdp_check(args, train_set, accum, device, rank):
+    """--fsdp-check steps from the seed on the run's first windows, four times in these ranks:
+    DDP; FSDP2 in fp32; FSDP2 computing in bf16; FSDP2 with the local-clip mistake. fp32
+    throughout otherwise (no autocast). Logs each step's loss and gradient norms, and the
+    collectives the clip issued; rank 0 saves each model's whole weights (fsdp_check.pt)."""
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t   # FSDP2: gathers a DTensor whole
+    weights = {}
+    for variant in ("ddp", "fsdp2_fp32", "fsdp2_bf16", "fsdp2_local_clip"):
+        torch.manual_seed(args.seed)
+        model = GPT(args.layers, args.heads, args.width, args.block).to(device)
+        if variant == "ddp":
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # DDP
+        else:
+            shard_fsdp2(model, torch.bfloat16 if variant == "fsdp2_bf16" else None)   # FSDP2
+        params = list(model.parameters())     # FSDP2: DTensors, each rank holding its Shard(0)
+        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in params)
+        opt = make_optimizer(model, args.lr)  # FSDP2: after fully_shard, so it steps the fp32 shards
+        sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)   # epoch 0, as the run began
+        batches = iter(DataLoader(train_set, batch_size=args.micro_batch, sampler=sampler, drop_last=True))
+        for step in range(1, args.fsdp_check + 1):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step - 1, args)
+            sums = torch.zeros(2, dtype=torch.float64, device=device)
+            # step 1's forwards and backwards, with every collective they issue counted
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 1 \
+                    else contextlib.nullcontext() as step_prof:
+                for i in range(accum):
+                    x, y, _ = next(batches)
+                    last = i == accum - 1
+                    if variant != "ddp":
+                        model.set_requires_gradient_sync(last)  # FSDP2: its no_sync: reduce-scatter on the last only
+                    with contextlib.nullcontext() if last or variant != "ddp" else model.no_sync():
+                        loss = F.cross_entropy(model(x.to(device)).float().view(-1, 256), y.to(device).view(-1))
+                        (loss / accum).backward()
+                    sums[0] += loss.detach().double() * y.numel()
+                    sums[1] += y.numel()
+            local = torch.nn.utils.get_total_norm([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                                                   for p in params])   # this rank's pieces only, before the clip
+            # the clip, with every collective it issues counted (torch.profiler sees c10d's ops)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                if variant == "fsdp2_local_clip":
+                    norm = clip_local_shards(params, args.clip)
+                else:   # DDP: local, every rank has the whole averaged gradient. FSDP2: one all-reduce
+                    norm = torch.nn.utils.clip_grad_norm_(params, args.clip)   # of the shards' partial norms
+            count = lambda prof: dict(collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::")))
+            clipped = full(torch.nn.utils.get_total_norm([p.grad for p in params]))   # after the clip
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(sums)  # DDP: for the log only
+            metrics.log(step, fsdp_variant=variant, check_loss=sums[0] / sums[1], check_grad_norm=full(norm),
+                        local_norm=local, clipped_norm=clipped, clip_collectives=count(prof),
+                        **({"param_bytes_held": held, "step_collectives": count(step_prof)} if step == 1 else {}))
+        state = (model.module if variant == "ddp" else model).state_dict()
+        state = {k: full(v).detach().cpu().clone() for k, v in state.items()}   # FSDP2: all ranks gather
+        if rank == 0:
+            weights[variant] = state
+        del model, opt
+    if rank == 0:
+        torch.save(weights, os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "fsdp_check.pt"))
+    dist.barrier()  # DDP: nobody reads the file before rank 0 has written it
+
+
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
 def main():
     args = parse_args()
@@ -347,6 +438,8 @@ def main():
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
     steps_per_epoch = len(train_set) // args.global_batch   # the same at any world size
+    if args.fsdp_check > steps_per_epoch:  # its steps read one epoch's windows
+        raise SystemExit(f"--fsdp-check {args.fsdp_check}: more steps than the {steps_per_epoch} of an epoch")
 
     torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
     model = GPT(args.layers, args.heads, args.width, args.block, checkpoint=args.checkpoint).to(device)
@@ -439,6 +532,8 @@ def main():
     if step_times:  # a matmul's rate over windows as long as a median step, all ranks at once as in training
         rates = achievable_rate(device, dtype, min(1.0, sorted(step_times)[len(step_times) // 2]))
         metrics.log(step, achievable_flops=rates)
+    if args.fsdp_check:  # FSDP2 against DDP, in the same ranks, from the same seed
+        fsdp_check(args, train_set, accum, device, rank)
     if args.allreduce_sweep:  # the same ranks, after training: what one all-reduce of b bytes costs
         for b, seconds in costmodel.sweep(costmodel.QUICK_SIZES, iters=6, device=device):  # DDP: all ranks
             metrics.log(step, bytes=b, seconds=seconds)
