@@ -73,17 +73,17 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
     _tag(ax, "start:agent")
     ax.text(0.18, 0.72, "starts", fontsize=8)
     if rdzv_ports:
-        box(ax, 0.37, 0.60, 0.25, 0.10, "rendezvous store: the agents meet\nport "
+        box(ax, 0.35, 0.60, 0.28, 0.10, "rendezvous store: the agents meet\nport "
             + ", ".join(map(str, rdzv_ports)), "black", alpha=0.03, fontsize=8)
         _tag(ax, "box:rdzv")
-        arrow(ax, 0.31, 0.60, 0.36, 0.63, style="-")
+        arrow(ax, 0.31, 0.60, 0.34, 0.63, style="-")
         _tag(ax, "hosts:rdzv")
     if store:
-        box(ax, 0.37, 0.40, 0.25, 0.10, f"ranks' store: the ranks meet\n{store}", "black", alpha=0.03,
+        box(ax, 0.35, 0.40, 0.28, 0.10, f"ranks' store: the ranks meet\n{store}", "black", alpha=0.03,
             fontsize=8)
         _tag(ax, "box:store")
         if store_host == "agent":
-            arrow(ax, 0.31, 0.54, 0.36, 0.47, style="-")
+            arrow(ax, 0.31, 0.54, 0.34, 0.47, style="-")
             _tag(ax, "hosts:store")
         ax.text(0.31, 0.565, "hosts", fontsize=7)
 
@@ -99,11 +99,12 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
         arrow(ax, 0.17, 0.50, x + w / 2, 0.265, colour="black")
         _tag(ax, f"start:rank{r['rank']}")
         if store:
-            arrow(ax, x + w * 0.8, 0.265, 0.495, 0.395, colour=c, style="-", text=None)
+            arrow(ax, x + w * 0.8, 0.265, 0.49, 0.395, colour=c, style="-", text=None)
             _tag(ax, f"meet:rank{r['rank']}")
         if store and store_host == "rank 0" and r["rank"] == 0:
-            arrow(ax, x + w * 0.2, 0.265, 0.40, 0.395, style="-")
+            arrow(ax, x + w * 0.2, 0.265, 0.38, 0.395, style="-")
             _tag(ax, "hosts:store")
+            ax.text(x + w * 0.2 + 0.02, 0.30, "hosts", fontsize=7)
         arrow(ax, x + w / 2 + 0.02, 0.265, 0.82, 0.795, colour=grey, style="-|>")
         _tag(ax, f"flow:rank{r['rank']}->run_dir")
         ax.patches[-1].set_linestyle(":")
