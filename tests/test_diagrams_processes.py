@@ -16,7 +16,7 @@ def arrows(fig):
     out = {}
     for ax in fig.axes:
         for p in ax.patches:
-            if p.get_gid():
+            if p.get_gid() and not p.get_gid().startswith("box:"):
                 out[p.get_gid()] = p._posA_posB
     return out
 
@@ -36,36 +36,83 @@ def rank_box_centres(fig):
             for ax in fig.axes for t in ax.texts if re.match(r"rank \d+\nlocal", t.get_text())}
 
 
+def box_of(fig, gid):
+    """(x0, y0, x1, y1) of the box tagged gid."""
+    p = next(p for ax in fig.axes for p in ax.patches if p.get_gid() == gid)
+    return p.get_x(), p.get_y(), p.get_x() + p.get_width(), p.get_y() + p.get_height()
+
+
+def touches(point, bounds, slack=0.03):
+    """The point is on or just beside the box: where an arrow from or to it starts or ends."""
+    (x, y), (x0, y0, x1, y1) = point, bounds
+    return x0 - slack <= x <= x1 + slack and y0 - slack <= y <= y1 + slack
+
+
 RANKS = [{"rank": r, "local_rank": r, "pid": 4000 + 7 * r, "parent": 321} for r in range(3)]
+# node 1 of a 2-node job with 4 ranks each: ranks 4-7, local ranks 0-3, so a drawing that
+# shows the rank as the local rank (or the other way round) fails
+NODE1 = [{"rank": 4 + i, "local_rank": i, "pid": 5000 + 3 * i, "parent": 321} for i in range(4)]
 
 
-def test_process_tree_draws_every_rank_with_its_pid_and_the_agent_starting_it():
-    fig = process_tree(111, 321, RANKS, store="127.0.0.1:45678", run_dir="first_run-2")
-    assert drawn_ranks(fig) == [(r["rank"], r["local_rank"], r["pid"]) for r in RANKS]
+@pytest.mark.parametrize("ranks, world", [(RANKS, None), (NODE1, 8)])
+def test_process_tree_draws_every_rank_with_its_pid_and_the_agent_starting_it(ranks, world):
+    fig = process_tree(111, 321, ranks, store="127.0.0.1:45678", run_dir="first_run-2",
+                       agent_ports=[45678, 39001], world_size=world)
+    assert drawn_ranks(fig) == [(r["rank"], r["local_rank"], r["pid"]) for r in ranks]
     all_text = "\n".join(texts(fig))
     assert "pid 111" in all_text and "pid 321" in all_text and "127.0.0.1:45678" in all_text
-    assert "first_run-2" in all_text and "world size 3" in all_text
+    assert "first_run-2" in all_text and f"world size {world or len(ranks)}" in all_text
     a = arrows(fig)
-    assert {g for g in a if g.startswith("start:rank")} == {f"start:rank{r}" for r in range(3)}
-    assert {g for g in a if g.startswith("meet:")} == {f"meet:rank{r}" for r in range(3)}
-    assert {g for g in a if g.startswith("flow:rank")} == {f"flow:rank{r}->run_dir" for r in range(3)}
-    centres = rank_box_centres(fig)
-    for r in range(3):   # the agent's arrow for rank r ends above rank r's own box
-        (_, _), (x_end, _) = a[f"start:rank{r}"]
-        assert abs(x_end - centres[r][0]) < 1e-9, r
+    numbers = [r["rank"] for r in ranks]
+    assert {g for g in a if g.startswith("start:rank")} == {f"start:rank{r}" for r in numbers}
+    assert {g for g in a if g.startswith("meet:")} == {f"meet:rank{r}" for r in numbers}
+    assert {g for g in a if g.startswith("flow:rank")} == {f"flow:rank{r}->run_dir" for r in numbers}
+    agent, store, rdzv = box_of(fig, "box:agent"), box_of(fig, "box:store"), box_of(fig, "box:rdzv")
+    for r in numbers:   # each arrow goes from the box it names to the box it names
+        start, end = a[f"start:rank{r}"]
+        assert touches(start, agent) and touches(end, box_of(fig, f"box:rank{r}")), r
+        start, end = a[f"meet:rank{r}"]
+        assert touches(start, box_of(fig, f"box:rank{r}")) and touches(end, store), r
+        assert not touches(end, agent) and not touches(end, rdzv), r
+        start, end = a[f"flow:rank{r}->run_dir"]
+        assert touches(start, box_of(fig, f"box:rank{r}")) and touches(end, box_of(fig, "box:run_dir"))
+    start, end = a["start:agent"]
+    assert touches(start, box_of(fig, "box:kernel")) and touches(end, agent)
 
 
-def test_process_tree_check_rejects_a_wrong_drawing():
-    # the read-back is a real check: the same figure does not match planted wrong data
-    fig = process_tree(111, 321, RANKS)
-    swapped = [(0, 0, 4007), (1, 1, 4000), (2, 2, 4014)]
-    assert drawn_ranks(fig) != swapped
-    assert drawn_ranks(process_tree(111, 321, RANKS[:2])) != drawn_ranks(fig)
+def test_process_tree_draws_two_stores_and_who_hosts_each():
+    # sharing on (torch's default): the agent listens on the rendezvous port and MASTER_PORT
+    fig = process_tree(111, 321, RANKS, store="localhost:45678", agent_ports=[39001, 45678])
+    a, t = arrows(fig), "\n".join(texts(fig))
+    assert "localhost:45678" in t and "port 39001" in t and "port 45678" not in t
+    for gid, target in (("hosts:store", "box:store"), ("hosts:rdzv", "box:rdzv")):
+        start, end = a[gid]
+        assert touches(start, box_of(fig, "box:agent")) and touches(end, box_of(fig, target)), gid
+        assert not touches(start, box_of(fig, "box:kernel")), gid
+    # sharing off: MASTER_PORT is not the agent's, so rank 0 hosts the ranks' store
+    fig = process_tree(111, 321, RANKS, store="localhost:45678", agent_ports=[39001])
+    start, end = arrows(fig)["hosts:store"]
+    assert touches(start, box_of(fig, "box:rank0")) and touches(end, box_of(fig, "box:store"))
+    assert not touches(start, box_of(fig, "box:agent"))
+
+
+@pytest.mark.parametrize("field", ["pid", "local_rank"])
+def test_process_tree_follows_a_planted_change_of_its_input(field):
+    # the read-back sees the input: change one field of the data and the drawing changes with it
+    planted = [dict(r) for r in NODE1]
+    if field == "pid":
+        planted[0]["pid"], planted[1]["pid"] = planted[1]["pid"], planted[0]["pid"]
+    else:
+        planted[0]["local_rank"], planted[1]["local_rank"] = 1, 0
+    truth = [(r["rank"], r["local_rank"], r["pid"]) for r in NODE1]
+    drawn = drawn_ranks(process_tree(111, 321, planted, world_size=8))
+    assert drawn == [(r["rank"], r["local_rank"], r["pid"]) for r in planted] and drawn != truth
 
 
 @pytest.mark.parametrize("ranks", [
     [{"rank": 0, "local_rank": 0, "pid": 1}, {"rank": 0, "local_rank": 1, "pid": 2}],   # rank twice
-    [{"rank": 1, "local_rank": 0, "pid": 1}],                                           # no rank 0
+    [{"rank": 0, "local_rank": 1, "pid": 1}],                                           # no local rank 0
+    [{"rank": 1, "local_rank": 0, "pid": 1}],                                           # rank 1 in a world of 1
     [{"rank": 0, "local_rank": 0, "pid": 1, "parent": 999}],                            # not the agent's child
 ])
 def test_process_tree_refuses_impossible_runs(ranks):
@@ -73,14 +120,36 @@ def test_process_tree_refuses_impossible_runs(ranks):
         process_tree(1, 2, ranks)
 
 
-@pytest.mark.parametrize("visible, n, want", [
-    ("2,3", 8, [2, 3]), ("3,2", 8, [3, 2]), ("1, 4,6", 8, [1, 4, 6]), ("", 8, []),
-    ("0,9,1", 8, [0]),     # CUDA stops at the first id this machine lacks
-    ("1,1", 8, []),        # a repeated id hides every GPU
-    ("5", 4, []),
-])
-def test_visible_ids_reads_the_variable_as_torch_does(visible, n, want):
-    assert visible_ids(visible, n) == want
+UUIDS = ["GPU-aaaa1111", "GPU-aaaa2222", "GPU-bbbb3333", "GPU-cccc4444"]
+VISIBLE_CASES = [
+    ("2,3", 8), ("3,2", 8), ("1, 4,6", 8), ("", 8), ("0,9,1", 8), ("1,1", 8), ("5", 4),
+    ("0,9,0", 8), ("+2", 8), ("2gpu,3", 8), ("1,-1,2", 8), ("1,,2", 8), ("x,1", 8), (" 3 ,1 ", 4),
+    ("GPU-bbbb,GPU-aaaa1", 4), ("GPU-aaaa,GPU-cccc", 4), ("GPU-cccc,GPU-cccc4444", 4),
+    ("GPU-bbbb,3", 4), ("GPU-dddd", 4),
+]
+
+
+@pytest.mark.parametrize("visible, n", VISIBLE_CASES)
+def test_visible_ids_reads_the_variable_as_torch_does(visible, n, monkeypatch):
+    # the oracle is the installed torch: _parse_visible_devices, then _device_count_nvml with
+    # the machine's GPU count (and UUIDs) standing in for NVML's
+    import torch.cuda
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: n)
+    monkeypatch.setattr(torch.cuda, "_raw_device_uuid_nvml", lambda: UUIDS[:n])
+    parsed = torch.cuda._parse_visible_devices()
+    count = torch.cuda._device_count_nvml()
+    ids = visible_ids(visible, n, uuids=UUIDS[:n])
+    assert len(ids) == count, (parsed, count, ids)
+    if parsed and isinstance(parsed[0], int):
+        assert ids == parsed[:count]
+    elif parsed:
+        assert ids == torch.cuda._transform_uuid_to_ordinals(parsed, UUIDS[:n])[:count]
+
+
+def test_visible_ids_does_not_model_mig_lists():
+    with pytest.raises(ValueError):
+        visible_ids("MIG-1234", 8)
 
 
 @pytest.mark.parametrize("visible, n", [("2,3", 8), ("3,2", 8), ("7,0,5", 8), ("1", 2), ("", 4)])

@@ -47,15 +47,16 @@ from ddp_lesson.lesson import SCRIPTS, load_script  # noqa: E402
 FIRST_RUN = SCRIPTS / "first_run.py"
 
 
-def _train_by_hand(script, world, average=True):
-    """first_run.py's loop for every rank in one process: shards, one gradient all-reduce."""
+def _train_by_hand(script, world, average=True, divide=True, steps=None):
+    """first_run.py's loop for every rank in one process: shards, one gradient all-reduce.
+    divide=False plants the bug of a deleted `p.grad /= world`: the ranks sum their gradients."""
     x, y = script.make_data()
     models = []
     for _ in range(world):
         torch.manual_seed(0)
         models.append(nn.Linear(2, 1))
     opts = [torch.optim.SGD(m.parameters(), lr=script.LR) for m in models]
-    for _ in range(script.STEPS):
+    for _ in range(steps or script.STEPS):
         for rank, (m, o) in enumerate(zip(models, opts)):
             o.zero_grad()
             F.mse_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
@@ -63,7 +64,7 @@ def _train_by_hand(script, world, average=True):
             for ps in zip(*(m.parameters() for m in models)):
                 total = sum(p.grad for p in ps)
                 for p in ps:
-                    p.grad = total / world
+                    p.grad = total / world if divide else total.clone()
         for o in opts:
             o.step()
     return [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in models]
@@ -78,6 +79,25 @@ def test_first_run_averaged_shards_equal_one_process_on_all_data(world):
     if world > 1:   # without the all_reduce the copies drift apart: the check can fail
         drifted = _train_by_hand(script, world, average=False)
         assert not torch.allclose(drifted[0], drifted[1], atol=1e-4)
+
+
+@pytest.mark.parametrize("lr", [0.1, 0.3])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_first_run_step_one_check_catches_a_sum_instead_of_an_average(world, lr):
+    # 00's check cell compares the weights after step 1 with one process on all the data; a
+    # deleted `p.grad /= world` fails it at any LR, while at LR 0.3 and 2 ranks the last step's
+    # weights match anyway (both runs converge): that is why the first-step check exists
+    script = load_script(FIRST_RUN)
+    script.LR = lr
+    alone = _train_by_hand(script, 1, steps=1)[0]
+    assert all(torch.allclose(w, alone, rtol=1e-4, atol=1e-6) for w in _train_by_hand(script, world, steps=1))
+    summed = _train_by_hand(script, world, divide=False, steps=1)
+    assert not torch.allclose(summed[0], alone, rtol=1e-4, atol=1e-6)
+    if world == 2 and lr == 0.3:
+        assert torch.allclose(_train_by_hand(script, 2, divide=False)[0], _train_by_hand(script, 1)[0],
+                              rtol=1e-4, atol=1e-5)
+    check = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "cc6125a4")
+    assert "if step == 0" in check and "allclose(weights[0][0], alone" in check
 
 
 def test_first_run_shows_the_averaging_and_no_ddp_yet():

@@ -17,47 +17,75 @@ def _tag(ax, gid):
     ax.patches[-1].set_gid(gid)
 
 
-def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None):
-    """The process tree of one run on one machine (node).
+def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_ports=None,
+                 world_size=None):
+    """The process tree of one run on one machine (node), and the stores its processes meet at.
 
     kernel_pid: this notebook's kernel, where ddp_lesson supervises the run;
     agent_pid: the torchrun agent it started; ranks: dicts with `rank`, `local_rank`, `pid`
-    (and `parent`, the pid that started it, if known: it must be the agent);
-    store: "host:port" of the rendezvous store the ranks met at (MASTER_ADDR:MASTER_PORT);
-    run_dir: the run directory's name, where logs and metrics flow back to the kernel."""
+    (and `parent`, the pid that started it, if known: it must be the agent). The node's local
+    ranks are 0 .. n-1; its ranks are any n distinct ranks of the job, as on node 1 of 2;
+    store: "host:port" of the ranks' store, MASTER_ADDR:MASTER_PORT;
+    agent_ports: the ports the agent listens on, if known. Then the ranks' store is the
+    agent's when its port is one of them, else rank 0's; the agent's other port is the
+    rendezvous store, where the agents meet (torch 2.14: DynamicRendezvousHandler);
+    run_dir: the run directory's name, where logs and metrics flow back to the kernel;
+    world_size: the job's, when this node holds only some of its ranks."""
     ranks = sorted(ranks, key=lambda r: r["rank"])
     numbers = [r["rank"] for r in ranks]
-    if numbers != list(range(len(ranks))):
-        raise ValueError(f"the ranks of one run are 0 .. world size - 1, got {numbers}")
+    if len(set(numbers)) != len(numbers) or min(numbers, default=0) < 0:
+        raise ValueError(f"the ranks of one run are distinct numbers from 0, got {numbers}")
+    local = sorted(r["local_rank"] for r in ranks)
+    if local != list(range(len(ranks))):
+        raise ValueError(f"the local ranks of one node are 0 .. n-1, got {local}")
+    n = len(ranks)
+    world_size = world_size or n
+    if max(numbers, default=-1) >= world_size:
+        raise ValueError(f"rank {max(numbers)} does not exist in a world of size {world_size}")
     wrong = [r["rank"] for r in ranks if r.get("parent", agent_pid) != agent_pid]
     if wrong:
         raise ValueError(f"rank(s) {wrong} were not started by the agent (pid {agent_pid})")
-    n = len(ranks)
-    fig = Figure(figsize=(max(8.0, 1.6 * n + 3.5), 5.0))
+    port = int(store.rsplit(":", 1)[1]) if store else None
+    rdzv_ports = [p for p in agent_ports or () if p != port]
+    store_host = None if agent_ports is None else "agent" if port in agent_ports else "rank 0"
+    fig = Figure(figsize=(max(8.0, 1.6 * n + 3.5), 5.4))
     ax = fig.subplots()
-    blank(ax, f"the process tree of a run: world size {n}")
+    title = f"the process tree of a run: world size {world_size}"
+    blank(ax, title if world_size == n else title + f", {n} rank(s) on this node")
     grey = "#8C8C8C"
 
     # the kernel, top left; the run directory, top right
     box(ax, 0.02, 0.80, 0.36, 0.14, f"Jupyter kernel (this notebook)\npid {kernel_pid}\n"
                                     "ddp_lesson supervises the run", grey)
+    _tag(ax, "box:kernel")
     box(ax, 0.66, 0.80, 0.32, 0.14, f"run directory\n{run_dir or 'runs/...'}\nlogs/   metrics/", grey,
         alpha=0.1)
+    _tag(ax, "box:run_dir")
     arrow(ax, 0.66, 0.87, 0.39, 0.87, colour=grey, text=None)
     _tag(ax, "flow:run_dir->kernel")
     ax.text(0.525, 0.89, "the kernel reads them", ha="center", fontsize=8)
 
-    # the agent and the store it hosts
-    box(ax, 0.08, 0.50, 0.30, 0.14, f"torchrun agent\npid {agent_pid}\none per node (machine)", "black",
+    # the agent, and the stores: the agents' rendezvous store, the ranks' store
+    box(ax, 0.04, 0.50, 0.26, 0.14, f"torchrun agent\npid {agent_pid}\none per node (machine)", "black",
         alpha=0.08)
-    arrow(ax, 0.2, 0.80, 0.2, 0.645)
+    _tag(ax, "box:agent")
+    arrow(ax, 0.17, 0.80, 0.17, 0.645)
     _tag(ax, "start:agent")
-    ax.text(0.21, 0.72, "starts", fontsize=8)
+    ax.text(0.18, 0.72, "starts", fontsize=8)
+    if rdzv_ports:
+        box(ax, 0.35, 0.60, 0.28, 0.10, "rendezvous store: the agents meet\nport "
+            + ", ".join(map(str, rdzv_ports)), "black", alpha=0.03, fontsize=8)
+        _tag(ax, "box:rdzv")
+        arrow(ax, 0.31, 0.60, 0.34, 0.63, style="-")
+        _tag(ax, "hosts:rdzv")
     if store:
-        box(ax, 0.46, 0.52, 0.24, 0.10, f"store (rendezvous)\n{store}", "black", alpha=0.03)
-        arrow(ax, 0.39, 0.57, 0.45, 0.57, style="-")
-        _tag(ax, "hosts:store")
-        ax.text(0.40, 0.595, "hosts", fontsize=7)
+        box(ax, 0.35, 0.40, 0.28, 0.10, f"ranks' store: the ranks meet\n{store}", "black", alpha=0.03,
+            fontsize=8)
+        _tag(ax, "box:store")
+        if store_host == "agent":
+            arrow(ax, 0.31, 0.54, 0.34, 0.47, style="-")
+            _tag(ax, "hosts:store")
+        ax.text(0.31, 0.565, "hosts", fontsize=7)
 
     # the ranks, one box each
     w = min(0.2, 0.9 / n - 0.04)
@@ -65,35 +93,69 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None):
     for i, r in enumerate(ranks):
         x = gap + i * (w + gap)
         c = DEVICE_COLOURS[r["rank"] % len(DEVICE_COLOURS)]
-        box(ax, x, 0.08, w, 0.2, f"rank {r['rank']}\nlocal rank {r['local_rank']}\npid {r['pid']}", c,
+        box(ax, x, 0.06, w, 0.2, f"rank {r['rank']}\nlocal rank {r['local_rank']}\npid {r['pid']}", c,
             fontsize=8 if n <= 6 else 7)
-        arrow(ax, 0.23, 0.50, x + w / 2, 0.285, colour="black")
+        _tag(ax, f"box:rank{r['rank']}")
+        arrow(ax, 0.17, 0.50, x + w / 2, 0.265, colour="black")
         _tag(ax, f"start:rank{r['rank']}")
         if store:
-            arrow(ax, x + w * 0.8, 0.285, 0.58, 0.505, colour=c, style="-", text=None)
+            arrow(ax, x + w * 0.8, 0.265, 0.49, 0.395, colour=c, style="-", text=None)
             _tag(ax, f"meet:rank{r['rank']}")
-        arrow(ax, x + w / 2 + 0.02, 0.285, 0.82, 0.795, colour=grey, style="-|>")
+        if store and store_host == "rank 0" and r["rank"] == 0:
+            arrow(ax, x + w * 0.2, 0.265, 0.38, 0.395, style="-")
+            _tag(ax, "hosts:store")
+            ax.text(x + w * 0.2 + 0.02, 0.30, "hosts", fontsize=7)
+        arrow(ax, x + w / 2 + 0.02, 0.265, 0.82, 0.795, colour=grey, style="-|>")
         _tag(ax, f"flow:rank{r['rank']}->run_dir")
         ax.patches[-1].set_linestyle(":")
-    ax.text(0.5, 0.01, "black: who starts whom;  coloured: the ranks meet at the store;  "
-                       "dotted: logs and metrics written to files", ha="center", fontsize=8,
-            style="italic")
+    ax.text(0.5, 0.005, "black: who starts whom, and who hosts a store;  coloured: the ranks meet at "
+                        "their store;  dotted: logs and metrics written to files", ha="center",
+            fontsize=8, style="italic")
     fig.tight_layout()
     return fig
 
 
-def visible_ids(cuda_visible_devices, n_physical):
-    """The physical GPU ids a CUDA_VISIBLE_DEVICES string makes visible, in order, read the
-    way torch.cuda reads it (_parse_visible_devices, then device_count): the list stops at the
-    first entry that is not a GPU of this machine, and a repeated id hides every GPU."""
-    ids = []
-    for part in cuda_visible_devices.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) >= n_physical:
+def _strtoul(s):
+    """The number an entry starts with, as torch's _parse_visible_devices reads it ("2gpu" and
+    "+2" are 2); -1 when it starts with none."""
+    digits = s[:1] if s[:1] in ("+", "-") else ""
+    for c in s[len(digits):]:
+        if not c.isdigit():
             break
-        if int(part) in ids:
+        digits += c
+    return int(digits) if digits.lstrip("+-") else -1
+
+
+def visible_ids(cuda_visible_devices, n_physical, uuids=None):
+    """The physical GPU ids a CUDA_VISIBLE_DEVICES string makes visible, in order, read the
+    way torch 2.14's torch/cuda/__init__.py reads it (_parse_visible_devices, then
+    _device_count_nvml): each entry is the number it starts with; a repeated id hides every
+    GPU; the list stops at a negative or missing number, or at an id this machine lacks.
+    A "GPU-" list names GPUs by UUID prefixes, matched against `uuids` (the physical GPUs'
+    UUIDs, by index); without them it shows no GPU. A "MIG-" list is not modelled: torch
+    itself gives up counting there (ValueError)."""
+    if cuda_visible_devices.startswith("MIG-"):
+        raise ValueError("MIG UUID lists are not modelled: torch's NVML count gives up on them too")
+    ids = []
+    if cuda_visible_devices.startswith("GPU-"):
+        for entry in cuda_visible_devices.split(","):
+            match = [i for i, u in enumerate(uuids or ()) if u.startswith(entry)]
+            if not entry.startswith("GPU-") or len(match) != 1:
+                break
+            if match[0] in ids:
+                return []
+            ids.append(match[0])
+        return ids
+    for entry in cuda_visible_devices.split(","):
+        x = _strtoul(entry.strip())
+        if x in ids:
             return []
-        ids.append(int(part))
+        if x < 0:
+            break
+        ids.append(x)
+    for i, x in enumerate(ids):
+        if x >= n_physical:
+            return ids[:i]
     return ids
 
 

@@ -6,13 +6,14 @@ That average is the idea DistributedDataParallel automates (notebook 03).
 """
 import os
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_lesson import metrics
 
-LR = 0.1     # <- EDIT ME: the learning rate. Try 0.3, then 1.5, and press Run each time.
+LR = 0.1     # <- EDIT ME: try 0.3, then 1.5. Run this cell to save, then press Run below.
 STEPS = 30
 
 
@@ -44,8 +45,10 @@ def main():
     torch.manual_seed(0)                                       # the same starting model on every rank
     model = torch.nn.Linear(2, 1).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    metrics.log(0, pid=os.getpid(), parent=os.getppid(), local_rank=local_rank, world_size=world,
-                lr=LR, store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    agent = psutil.Process(os.getppid())                       # for section 2's picture: the ports
+    agent_ports = sorted({c.laddr.port for c in agent.net_connections("tcp") if c.status == "LISTEN"})
+    metrics.log(0, pid=os.getpid(), parent=agent.pid, local_rank=local_rank, world_size=world, lr=LR,
+                store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", agent_ports=agent_ports)
     for step in range(STEPS):
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
