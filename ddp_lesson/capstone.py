@@ -67,12 +67,23 @@ def check_checkpointing(model, x, y):
     return kept[False], kept[True]
 
 
-def check_peak(peak, rates):
+# /proc/cpuinfo's "cpu MHz" is the clock of the moment, or in a virtual machine the nominal one,
+# and turbo runs a core up to about twice a nominal base clock (2.0 -> 3.8 GHz on recent server
+# parts): measured here, one thread's matmul reached 181 GFLOP/s per CPU-second against a
+# 166 GFLOP/s peak at the reported 2600 MHz. A peak from cpufreq's cpuinfo_max_freq has no headroom.
+NOMINAL_CLOCK_HEADROOM = 2.0
+
+
+def check_peak(peak, rates, clock_from=None):
     """No matmul can run faster than the hardware's peak: a peak below the fastest achievable
-    rate measured on the same ranks is wrong (too few cores, a too slow clock or unit)."""
+    rate measured on the same ranks is wrong (too few cores, a too slow clock or unit). With
+    the clock from /proc/cpuinfo (clock_from not naming cpuinfo_max_freq), a turbo clock may
+    beat it by up to NOMINAL_CLOCK_HEADROOM; a wrong unit (8 FLOP/cycle for 64) still fails."""
+    headroom = 1.0 if clock_from and "cpuinfo_max_freq" in clock_from else NOMINAL_CLOCK_HEADROOM
     fastest = max(rates)
-    assert fastest <= peak, (f"a matmul ran at {fastest / 1e9:.1f} GFLOP/s, above the peak of "
-                             f"{peak / 1e9:.1f}: the peak is wrong")
+    assert fastest <= peak * headroom, (
+        f"a matmul ran at {fastest / 1e9:.1f} GFLOP/s, above {headroom:g}x the peak of "
+        f"{peak / 1e9:.1f}: the peak is wrong")
     return fastest
 
 
