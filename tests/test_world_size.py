@@ -77,7 +77,9 @@ def test_lesson_scripts_share_one_evaluate():
     above cover it without a launch of its own."""
     def evaluate_of(name):
         src = (SCRIPTS / name).read_text()
-        return src[src.index("def evaluate("):src.index("@record")]
+        start = src.index("def evaluate(")
+        ends = [i for i in (src.find("\ndef ", start), src.find("\n@", start)) if i != -1]
+        return src[start:min(ends)]   # the function alone, whatever follows it
     assert evaluate_of("ddp_basic.py") == evaluate_of("ddp_syncbn.py") == evaluate_of("ddp_accum.py")
 
 
