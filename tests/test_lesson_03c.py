@@ -143,13 +143,13 @@ def test_loss_reduced_by_hand_divides_the_gradients_twice(tmp_path):
 
 
 
-def _notebook_function(cell_id, name):
+def _notebook_function(cell_id, name, **namespace):
     "Define one function from a notebook cell's source, the code the learner runs."
     cell = next(c for c in cells() if c.get("id") == cell_id)
     text = source(cell)
     start = text.index(f"def {name}(")
     end = text.find("\n\n\n", start)
-    namespace = {"math": math}
+    namespace = {"math": math, **namespace}
     exec(text[start:end if end != -1 else None], namespace)
     return namespace[name]
 
@@ -163,11 +163,11 @@ def _rows(losses_per_step):
     return rows
 
 
-def test_log_check_rejects_a_loss_all_reduced_before_backward():
+def test_log_check_proves_own_losses_and_their_mean():
     check = _notebook_function("da005b13", "check_logged_losses")
     own = [[2.3, 2.1, 2.2], [2.0, 1.9, 2.05]]
     assert check(_rows(own), 3) == 2
-    averaged = [[sum(s) / 3] * 3 for s in own]            # the mistake: every rank logs the mean
+    averaged = [[sum(s) / 3] * 3 for s in own]            # every rank logs the mean: not its own loss
     with pytest.raises(AssertionError):
         check(_rows(averaged), 3)
     wrong_mean = _rows(own)
@@ -175,6 +175,45 @@ def test_log_check_rejects_a_loss_all_reduced_before_backward():
     with pytest.raises(AssertionError):
         check(wrong_mean, 3)
     assert check(_rows([[2.3], [2.0]]), 1) == 2           # one rank: nothing differs, nothing to plant
+
+
+# Section 3's mistake planted in the real script: the loss all-reduced in place before backward.
+MISTAKE = ("            loss.backward()                        # DDP: the gradients are averaged here\n",
+           "            dist.all_reduce(loss)\n            loss = loss / world_size\n"
+           "            loss.backward()                        # DDP: the gradients are averaged here\n")
+
+
+def test_gradient_check_rejects_the_real_mistake_on_2_ranks(tmp_path):
+    from ddp_lesson import data, launch, models, runs
+    from torch.utils.data.distributed import DistributedSampler as Sampler
+    text = (SCRIPTS / "loss_averaging.py").read_text()
+    assert MISTAKE[0] in text
+    script = tmp_path / "mistake.py"
+    script.write_text(text.replace(MISTAKE[0], MISTAKE[1]))
+    run = launch.start(script, nproc=2, cpu=True, run_dir=tmp_path / "run",
+                       args=["--epochs", "1", "--batch-size", "16", "--n-train", "96", "--n-test", "40"])
+    try:
+        result = run.wait(timeout=240)
+    finally:
+        run.stop()
+    assert result and result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
+    rec = runs.load(run.run_dir)
+    world = rec.config["world_size"]
+    first = _notebook_function("da005b13", "one_process_first_gradient", argparse=__import__("argparse"),
+                               torch=torch, F=F, models=models, data=data, DistributedSampler=Sampler)
+    check = _notebook_function("da005b13", "check_gradients")
+    want = first(rec.config)
+    with pytest.raises(AssertionError, match="step 1: gradient norm"):
+        check(rec.rows, world, want, 1e-4)              # the notebook's check fails on the mistake
+    # and only because of the mistake's factor: undone, the same rows pass the same check
+    undone = [dict(r, grad_norm=r["grad_norm"] * world) if "grad_norm" in r else r for r in rec.rows]
+    assert check(undone, world, want, 1e-4) == 3
+    # the loss log cannot tell: every rank logged the same, averaged loss, which the safe pattern can too
+    losses = {r["step"]: set() for r in rec.rows if "loss" in r}
+    for r in rec.rows:
+        if "loss" in r:
+            losses[r["step"]].add(r["loss"])
+    assert all(len(v) == 1 for v in losses.values())
 
 
 def test_ddp_divides_before_the_all_reduce_as_the_notebooks_say():

@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 loss_averaging.py --epochs 1
 
-Each rank logs its own loss every step. After backward, the loss is all-reduced FOR THE LOG
-ONLY (DDP already averaged the gradients; the loss that went into backward is untouched).
+Each rank logs its own loss and the norm of its averaged gradient every step. After backward,
+the loss is all-reduced FOR THE LOG ONLY (DDP already averaged the gradients; the loss that went
+into backward is untouched).
 Accuracy: each rank counts correct answers and samples; the counts are summed over ranks,
 then divided. A common mistake (divide by the padded DistributedSampler total_size) is logged
 beside it as test_accuracy_padded, to compare. The set-up lines are notebook 03's ddp_basic.py.
@@ -78,9 +79,11 @@ def main():
             loss = F.cross_entropy(model(x), y)    # this rank's mean over its own batch
             opt.zero_grad(set_to_none=True)
             loss.backward()                        # DDP: the gradients are averaged here
+            # the averaged gradient's length, the same on every rank; notebook 03c checks step 1's
+            grad_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
             opt.step()
             step += 1
-            metrics.log(step, loss=loss.item())    # one row per rank: the per-rank curves
+            metrics.log(step, loss=loss.item(), grad_norm=grad_norm.item())  # one row per rank
 
             # For the log only: a copy of the loss, averaged over ranks after backward.
             reduced = loss.detach().clone()
