@@ -2,7 +2,9 @@
 they must catch: a model that ignores its context or sees the future, throughput figures
 the wall clock does not back, no speed-up from N ranks, and an exercise answer that holds
 at one world size only. Each raises AssertionError saying what is wrong, or returns figures."""
+import pathlib
 import statistics
+import textwrap
 
 import torch
 
@@ -107,6 +109,13 @@ def check_throughput(rows, world, global_batch, block, flops_per_token, peak):
     return cover
 
 
+# the N-rank step must cost each rank less than this share of the 1-rank step. With no speed-up
+# each rank costs the whole 1-rank step or more (plus the all-reduce). The model predicts about
+# 0.52 at 2 ranks; load raised the CPU-time step by 20 % (1 rank) to 30-47 % (2 ranks) when
+# measured, and the 1-rank run comes minutes after the N-rank one: 0.85 leaves room for that.
+SCALING_BOUND = 0.85
+
+
 def scaling(one, many, key="cpu_s"):
     """1 rank against N from the rows of two runs: the least time of steps 2-4 on any rank (other
     programs can only add to a step's time, by taking its core or its caches). key: the ranks'
@@ -123,17 +132,17 @@ def scaling(one, many, key="cpu_s"):
     per_window = (t1 - fixed) / windows(one)[0]
     predicted = fixed + per_window * windows(many)[0]
     return {"N": n, "t1": t1, "tN": tn, "fixed": fixed, "predicted": predicted,
-            "threshold": (predicted + t1) / 2}               # halfway between the model and no speed-up
+            "threshold": SCALING_BOUND * t1}                 # no speed-up fails it, load has room
 
 
 def check_scaling(one, many, key="cpu_s"):
-    """The N-rank step costs each rank less than halfway between the model's prediction and
-    the 1-rank step: it fails when N ranks give no speed-up (each rank doing all the work)."""
+    """The N-rank step costs each rank less than SCALING_BOUND (0.85) x the 1-rank step: it
+    fails when N ranks give no speed-up (each rank doing all the work)."""
     s = scaling(one, many, key)
     assert s["N"] > 1, "the second run has 1 rank too: no N to compare"
     assert s["tN"] < s["threshold"], (
         f"{s['N']} ranks: {s['tN'] * 1e3:.1f} ms per rank per step, not below {s['threshold'] * 1e3:.1f} ms, "
-        f"halfway between the predicted {s['predicted'] * 1e3:.1f} ms and 1 rank's {s['t1'] * 1e3:.1f} ms: no speed-up")
+        f"{SCALING_BOUND} x 1 rank's {s['t1'] * 1e3:.1f} ms (predicted {s['predicted'] * 1e3:.1f} ms): no speed-up")
     return s
 
 
@@ -148,9 +157,33 @@ def check_global_batch_at(run_dirs):
     return "; ".join(f"{w} rank(s): {v}" for w, v in sorted(worlds.items()))
 
 
+def check_refusal(script):
+    """11's exercise, without a launch: the lines from `# EXERCISE` to `train_set =`, run here with
+    the script's GLOBAL and MICRO and the smallest world size they do not divide, must refuse:
+    raise with a message. Dividing without refusing would train the wrong global batch there."""
+    lines = pathlib.Path(script).read_text().splitlines()
+    consts = next(l for l in lines if l.startswith("GLOBAL, MICRO"))
+    start = next(i for i, l in enumerate(lines) if l.strip().startswith("# EXERCISE"))
+    end = next(i for i, l in enumerate(lines) if i > start and l.strip().startswith("train_set ="))
+    ns = {}
+    exec(consts, ns)
+    world = next(w for w in range(2, 1000) if ns["GLOBAL"] % (ns["MICRO"] * w))
+    ns.update(world_size=world, local_rank=0, use_cuda=False)
+    try:
+        exec(textwrap.dedent("\n".join(lines[start:end])), ns)
+    except (SystemExit, Exception) as e:
+        why = str((e.code if isinstance(e, SystemExit) else e) or "")
+        assert why and not isinstance(e, (NameError, ImportError, SyntaxError, AttributeError, TypeError)) and not str(why).isdigit(), (
+            f"at {world} ranks the # EXERCISE lines end with {type(e).__name__}({why!r}): not a refusal that says why")
+        return f"refuses {world} ranks: {why}"
+    raise AssertionError(f"at {world} ranks, where {ns['GLOBAL']} samples do not split into micro-batches of "
+                         f"{ns['MICRO']}, the # EXERCISE lines do not refuse: ACCUM = {ns.get('ACCUM')} would "
+                         f"train {ns.get('ACCUM', 0) * ns['MICRO'] * world} samples per step")
+
+
 def attempt_at(script, worlds, timeout=300):
-    """exercises.attempt at each world size in turn, stopping at the first the checker rejects.
-    Returns (run dirs, passed)."""
+    """exercises.attempt at each world size in turn, stopping at the first the checker rejects,
+    then check_refusal at a world size that cannot give the global batch. Returns (run dirs, passed)."""
     dirs = []
     for nproc in worlds:
         run_dir, passed = exercises.attempt(script, exercises.check_global_batch, nproc=nproc, timeout=timeout)
@@ -158,7 +191,7 @@ def attempt_at(script, worlds, timeout=300):
         if not passed:
             return dirs, False
     try:
-        print("correct at every world size!", check_global_batch_at(dirs))
+        print("correct at every world size!", check_global_batch_at(dirs), "; and", check_refusal(script))
         return dirs, True
     except AssertionError as e:
         print("not yet:", e)

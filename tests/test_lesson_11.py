@@ -159,15 +159,20 @@ def test_scaling_check_fails_without_a_speed_up():
     two = rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.075, micro_cpu_s=0.069)   # measured here: 75 ms per rank
     two[3]["cpu_s"] = 0.2                                                 # one step slowed by other programs
     s = capstone.check_scaling(one, two)
-    assert s["N"] == 2 and s["predicted"] == pytest.approx(0.006 + 0.062) and s["threshold"] == pytest.approx(0.099)
+    assert s["N"] == 2 and s["predicted"] == pytest.approx(0.006 + 0.062) and s["threshold"] == pytest.approx(0.85 * 0.13)
     three = rows_of(3, 0.4, 0.4, G // 3, cpu_s=0.05, micro_cpu_s=0.045)
     assert capstone.check_scaling(one, three)["predicted"] == pytest.approx(0.006 + 0.124 / 3)
     # planted: no speed-up, each of the 2 ranks as costly as the 1-rank step (all the work on each)
     with pytest.raises(AssertionError, match="no speed-up"):
         capstone.check_scaling(one, rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.13, micro_cpu_s=0.124))
-    # planted: some speed-up, but less than half the one predicted (each rank doing 7/8 of the work)
+    # planted: no speed-up, each rank doing the whole step plus an all-reduce
     with pytest.raises(AssertionError, match="no speed-up"):
         capstone.check_scaling(one, rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.15, micro_cpu_s=0.138))
+    # planted: a speed-up too small to be the split work (each rank doing 7/8 of the 1-rank step)
+    with pytest.raises(AssertionError, match="no speed-up"):
+        capstone.check_scaling(one, rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.13 * 7 / 8, micro_cpu_s=0.108))
+    # load on the 2-rank run only, as measured (+47 % over the 0.075 above): still a speed-up, still passes
+    capstone.check_scaling(one, rows_of(2, 0.4, 0.4, G // 2, cpu_s=0.075 * 1.47, micro_cpu_s=0.1))
     with pytest.raises(AssertionError, match="no N to compare"):
         capstone.check_scaling(one, rows_of(1, 0.13, 0.4, G, cpu_s=0.13, micro_cpu_s=0.124))
 
@@ -364,6 +369,12 @@ def test_fsdp2_trains_the_ddp_model_at_3_ranks(trio):
     f = capstone.check_fsdp2(rec.rows, weights, init, 3, 1, G // 3)
     assert f["clip_calls"] == {"ddp": [()], "fsdp2": [(("c10d::allreduce_", 1),)]}
     assert "not the gradient DDP clipped" in f["local_clip_caught"]
+    # held to bf16's looser tolerances the mistake still fails, and through the norms (after the
+    # clip: sqrt(W) x DDP's), since its weights and loss can sit inside bf16's 0.1 and 1e-2
+    steps = capstone.fsdp_rows(rec.rows)
+    with pytest.raises(AssertionError, match="norm .*not the gradient DDP clipped"):
+        capstone.check_same_training(steps["ddp"], steps["fsdp2_local_clip"], weights["fsdp2_local_clip"],
+                                     weights["ddp"], init, "bf16")
     assert f["step1"]["fsdp2_fp32"] == {"c10d::_allgather_base_": 4 * 3, "c10d::_reduce_scatter_base_": 2}   # 1 block
     with pytest.raises(AssertionError):              # the counts tell per-block units from the root alone
         capstone.check_fsdp2(rec.rows, weights, init, 3, 0, G // 3)
@@ -458,6 +469,31 @@ def fake_run(tmp_path, per_rank_samples, asked=8, micro=2, world=None, status="o
         rows += [{"rank": rank, "step": s, "time": s, "samples": n} for s, n in enumerate(samples, 1)]
         (tmp_path / "metrics" / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp_path
+
+
+def test_check_refusal_rejects_dividing_without_refusing(tmp_path):
+    """11's exercise at a world size that cannot give the global batch, without a launch:
+    dividing without refusing passes at 2 and 3 ranks, and check_refusal must reject it."""
+    starter = (SCRIPTS / "ex_global_batch.py").read_text()
+    line = "    ACCUM = 8  # micro-batches per rank per optimizer step\n"
+    divide = "    ACCUM = GLOBAL // (MICRO * world_size)\n"
+    answers = {"solution": "    if GLOBAL % (MICRO * world_size):\n        raise SystemExit('48 do not split')\n" + divide,
+               "assert_text": "    assert GLOBAL % (MICRO * world_size) == 0, 'no whole ACCUM'\n" + divide,
+               "divide": divide, "starter": line,
+               "bare_assert": "    assert GLOBAL % (MICRO * world_size) == 0\n" + divide,
+               "name_error": "    ACCUM = GLOBAL // (MICRO * world_sz)\n"}
+    verdicts = {}
+    for name, body in answers.items():
+        script = tmp_path / f"{name}.py"
+        script.write_text(starter.replace(line, body))
+        try:
+            verdicts[name] = capstone.check_refusal(script)
+        except AssertionError as e:
+            verdicts[name] = f"rejected: {e}"
+    assert verdicts["solution"] == "refuses 5 ranks: 48 do not split", verdicts
+    assert verdicts["assert_text"].startswith("refuses 5 ranks"), verdicts
+    assert "ACCUM = 2 would train 40 samples" in verdicts["divide"], verdicts
+    assert all(verdicts[k].startswith("rejected") for k in ("starter", "bare_assert", "name_error")), verdicts
 
 
 def test_check_global_batch_accepts_the_sum_and_rejects_other_counts(tmp_path):

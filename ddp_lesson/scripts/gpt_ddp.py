@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=40, help="optimizer steps of the schedule")
     p.add_argument("--stop-at", type=int, default=0, help="end this run at this step (0: --steps)")
     p.add_argument("--global-batch", type=int, default=24, help="windows per optimizer step, all ranks")
-    p.add_argument("--micro-batch", type=int, default=2, help="windows per forward, per rank")
+    p.add_argument("--micro-batch", type=int, default=1, help="windows per forward, per rank")
     p.add_argument("--block", type=int, default=64, help="bytes per window (context length)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -188,8 +188,10 @@ def datasheet_peak(name, dtype=torch.float16):
 
 
 # FLOP per cycle per core of the widest multiply-add units the CPU flags name, fp32 unless said:
-# AVX-512 (avx512f): 2 FMA units x 16 fp32 lanes x 2 (a multiply and an add), as on server parts
-# (some client parts have 1 unit: half); AVX2 with FMA: 2 x 8 x 2; else SSE: a 4-lane multiply
+# AVX-512 (avx512f): 2 FMA units x 16 fp32 lanes x 2 (a multiply and an add), as on Xeon Gold 6xxx,
+# Platinum and Zen 5. AMD Zen 4 EPYC and Xeon Bronze, Silver and most Gold 5xxx also flag avx512f
+# but do 32: there this peak is 2x too high, and no check here can tell. AVX2 with FMA: 2 x 8 x 2;
+# else SSE: a 4-lane multiply
 # and a 4-lane add per cycle. bf16: AMX (amx_bf16) 1024, as Intel states for its tile unit;
 # AVX512_BF16's dot product 2 x 16 x 2 x 2; else bf16 runs on the fp32 units.
 FLOP_PER_CYCLE = [("amx_bf16", "bf16", 1024), ("avx512_bf16", "bf16", 128),
@@ -494,6 +496,8 @@ def main():
                 sums[0] += loss.detach().double() * y.numel()   # no .item(): no wait for the GPU
                 sums[1] += y.numel()
                 ids += idx.tolist()
+            if use_cuda:
+                torch.cuda.synchronize(device)   # the queued micro-batch kernels belong to micro_s, not the fixed part
             micro_s, micro_cpu_s = time.perf_counter() - t0, time.process_time() - c0   # the micro-batches' share
             scaler.unscale_(opt)  # true gradients before clipping (no-op without fp16)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # before clipping
