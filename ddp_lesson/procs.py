@@ -9,9 +9,6 @@ import psutil
 
 from . import rundir
 
-ENV_KEY = rundir.ENV
-TOKEN_KEY = rundir.TOKEN_ENV
-
 
 def tree(pid):
     """The process and all its descendants that are alive now. `pid` may be a
@@ -66,9 +63,9 @@ def run_processes(run_dir=None, token=None):
             env = p.environ()
         except psutil.Error:
             continue
-        value = env.get(ENV_KEY)
+        value = env.get(rundir.ENV)
         if value and (want is None or os.path.abspath(value) == want) \
-                and (token is None or env.get(TOKEN_KEY) == token):
+                and (token is None or env.get(rundir.TOKEN_ENV) == token):
             found.append(p)
     return found
 
@@ -90,10 +87,10 @@ def by_run():
             env = p.environ()
         except psutil.Error:
             continue
-        run_dir = os.path.abspath(env.get(ENV_KEY))
+        run_dir = os.path.abspath(env.get(rundir.ENV))
         if run_dir not in tokens:
             tokens[run_dir] = _config_token(run_dir)
-        if tokens[run_dir] and env.get(TOKEN_KEY) == tokens[run_dir]:
+        if tokens[run_dir] and env.get(rundir.TOKEN_ENV) == tokens[run_dir]:
             groups.setdefault(run_dir, []).append(p)
     return groups
 

@@ -27,16 +27,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddp_lesson import procs
+from ddp_lesson import procs, rundir
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-ENV_KEY = procs.ENV_KEY
 
 
 def _run_dir_of(p):
     try:
-        return os.path.abspath(p.environ().get(ENV_KEY, "")) + os.sep
+        return os.path.abspath(p.environ().get(rundir.ENV, "")) + os.sep
     except psutil.Error:  # gone since it was listed
         return ""
 
