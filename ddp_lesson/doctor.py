@@ -177,8 +177,17 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
                       f"(use --all to end it too)", file=out)
                 del by_run[run_dir]
     found = [p for ps in by_run.values() for p in ps]
+    warm = [p for p, (pid, started) in procs.warm_processes().items()
+            if everything or not procs.is_alive(pid, started)]
+    for p in warm:
+        print(f"{'would end' if dry_run else 'ending'} pid {p.pid}: a warm process whose launcher "
+              f"{'is gone' if not everything else 'may still use it'}", file=out)
+    if not dry_run and warm:
+        procs.kill_all(warm)
+        procs.wait_gone(warm, 5)
     if not found:
-        print("no leftover processes of ddp_lesson runs", file=out)
+        if not warm:
+            print("no leftover processes of ddp_lesson runs", file=out)
         return 0
     for run_dir, ps in sorted(by_run.items()):
         for p in ps:

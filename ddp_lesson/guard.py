@@ -16,6 +16,11 @@ is armed, it exits at once, so a launcher killed right after start() leaves noth
   logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
   and prints the traceback once, from the script's own frames on; dumps its Python stack to
   logs/rank<R>.stack.log on SIGUSR1 (the launcher asks for it when a run times out).
+- a forked rank (a warm launch: torchrun's own `--run-path --start-method fork`, from an
+  agent forked by ddp_lesson.warm_server): the same, after it has shed what it inherited
+  (the warm process's atexit handlers and stdio objects, whose locks another thread may have
+  held at the fork; numpy's random state) and taken OMP_NUM_THREADS as a fresh process
+  would; a clean exit returns to torch's worker code, which hands torchrun the result.
 A rank imports only the standard library here, so the guard adds nothing measurable to
 its start-up.
 """
@@ -41,6 +46,7 @@ PR_SET_CHILD_SUBREAPER = 36
 AGENT_ENV = "DDP_LESSON_AGENT_PID"   # a rank's expected parent: the torchrun agent
 AGENT_TEARDOWN_S = 15                # after its parent died, torchrun's teardown gets this long
 STACK_SIGNAL = signal.SIGUSR1
+FORKED_ENV = "DDP_LESSON_FORKED"     # set by a warm launch: ranks are forked, not started
 
 
 def _prctl(option, value):
@@ -198,8 +204,89 @@ def _user_traceback(e):
     return "".join(traceback.format_exception(type(e), e, tb))
 
 
+def environ_space():
+    """(address, size) of the text /proc/<pid>/environ shows: the environment this process's
+    program was started with, which a later change to os.environ does not alter."""
+    with open("/proc/self/stat") as f:
+        data = f.read()
+    fields = data[data.rindex(")") + 2:].split()   # fields[0] is field 3 of proc(5)
+    start, end = int(fields[50 - 3]), int(fields[51 - 3])
+    return start, end - start
+
+
+def environ_text(env):
+    return b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0" for k, v in env.items())
+
+
+def publish_environ():
+    """Make /proc/<pid>/environ show os.environ as it is now. It is how this course knows a
+    run's processes (procs.run_processes, cleanup, the agent's sweep), and a forked process
+    would otherwise show the environment of the process it was forked from. The text is
+    written over the original, which must be long enough (the warm process starts with
+    padding). libc's own environment no longer points there once os.environ was cleared."""
+    start, size = environ_space()
+    text = environ_text(os.environ)
+    if len(text) > size:
+        raise OSError(f"the environment ({len(text)} bytes) does not fit the {size} bytes it may use")
+    ctypes.memmove(start, text + b"\0" * (size - len(text)), size)
+
+
+_start_signals = {}
+
+
+def remember_signals():
+    """Note the signal dispositions this process started with. A process that forks runs
+    (the warm process) calls it first, so each fork can be put back as a new interpreter
+    would be: torchrun's agent handles SIGTERM by raising an exception, and a rank forked
+    from it would otherwise raise it in the learner's code instead of ending."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if handler is not None:
+            _start_signals[sig] = handler
+
+
+def restore_signals():
+    for sig, handler in _start_signals.items():
+        try:
+            signal.signal(sig, handler)
+        except (OSError, ValueError):
+            pass
+
+
+def forked():
+    """Is this rank a forked worker of a warm launch (not a fresh interpreter)?"""
+    return os.environ.get(FORKED_ENV) == "1"
+
+
+def _shed_inheritance():
+    """What a forked rank must not keep from the process it was forked from."""
+    restore_signals()
+    atexit._clear()  # the warm process's handlers are not the script's
+    publish_environ()  # RANK and the rest, which torch's worker code has just set
+    # another thread of the agent may have held a stdio object's lock at the fork; that
+    # thread does not exist here, so the lock would never be released: take new objects
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
+                                  write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
+                                  write_through=True, errors="backslashreplace")
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # seeded once in the warm process: every rank would draw alike
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # what import torch does with it in a new process
+
+
 def run_target(argv, rank=None):
     run_dir = os.environ.get(rundir.ENV)
+    if rank is not None and forked():
+        _shed_inheritance()
     if run_dir and rank is not None:
         _redirect(run_dir, rank)
     if argv[0] == "-m":
@@ -221,6 +308,7 @@ def run_target(argv, rank=None):
     except SystemExit as e:
         if e.code in (None, 0):
             _exit_rank(0)
+            return
         code = e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)  # what the interpreter prints for sys.exit("text")
@@ -240,8 +328,10 @@ def _exit_rank(code):
     in the wrong order and abort the process ("terminate called without an active
     exception", SIGABRT; seen here on gloo, cf. pytorch/pytorch#190489), turning a finished
     run into a failed one and a clean sys.exit(3) into -6. What finalization would do for
-    the script is done first: atexit handlers, then flushing every open file."""
-    if "torch.distributed" not in sys.modules:
+    the script is done first: atexit handlers, then flushing every open file.
+    A forked rank that succeeded returns instead: torch's worker code then hands torchrun
+    its result and exits without finalization (multiprocessing's os._exit)."""
+    if "torch.distributed" not in sys.modules and not forked():
         sys.exit(code)
     atexit._run_exitfuncs()
     with warnings.catch_warnings():  # looking at every object must not print deprecations
@@ -253,6 +343,8 @@ def _exit_rank(code):
                         obj.flush()
                 except Exception:  # a broken pipe or a half-closed stream must not block the exit
                     pass
+    if code == 0 and forked():
+        return
     os._exit(code)
 
 

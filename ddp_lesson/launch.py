@@ -7,6 +7,13 @@
 
 torchrun runs as `python -m torch.distributed.run` in its own session, under
 ddp_lesson.guard (ends it if this process dies); each rank runs under the guard too.
+
+Launches are warm by default: a warm process (ddp_lesson.warm_server, started ahead of need by
+warm_up()) that has imported torch forks the run's agent, which runs that same torchrun module
+with torchrun's own `--run-path --start-method fork`, so the ranks are forked too and nobody
+imports torch again. A launch is cold (a new interpreter for the agent and each rank, the CLI
+torchrun of config["command"]) with cold=True, DDP_LESSON_COLD=1, over several nodes, or when
+the warm process cannot serve it; config["launch"] says which, and why.
 """
 import atexit
 import importlib.metadata
@@ -23,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import BadInput, __version__, checks, devices, failures, interrupts, procs, rundir, stacks
+from . import BadInput, __version__, checks, devices, failures, guard, interrupts, procs, rundir, stacks, warm
 from .rundir import write_json
 from .runs import LogTail, MetricsTail, new_run_dir, tail_text
 
@@ -39,11 +46,21 @@ _live = set()
 SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
          "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
          "TORCH_NCCL_ASYNC_ERROR_HANDLING_RANK")
-SCRUB_PREFIXES = ("TORCHELASTIC_", "PET_", "DDP_LESSON_RUN_", "DDP_LESSON_AGENT_")
+SCRUB_PREFIXES = ("TORCHELASTIC_", "PET_", "DDP_LESSON_RUN_", "DDP_LESSON_AGENT_", "DDP_LESSON_WARM_",
+                  "DDP_LESSON_FORKED")
 
 
 def clean_env(env):
     return {k: v for k, v in env.items() if k not in SCRUB and not k.startswith(SCRUB_PREFIXES)}
+
+
+def base_env():
+    """What every process of a launch starts from: this process's environment, cleaned, with
+    this package importable and output unbuffered (a rank's print reaches its log at once)."""
+    env = clean_env(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
+    return env
 
 
 # Processes are spawned from one long-lived thread: a parent-death signal is tied to the
@@ -101,6 +118,52 @@ def _in_spawner(fn):
     return req["box"][0]
 
 
+COLD_ENV = "DDP_LESSON_COLD"   # "1": every launch is cold, as a CLI torchrun
+WARM_WAIT_S = 60               # how long a launch waits for a warm process that is starting
+_warm = None
+_warm_lock = threading.Lock()
+
+
+def warm_up():
+    """Start this launcher's warm process if it has none or a stale one, without waiting for
+    it (it imports torch: a few seconds of one core). Call it ahead of need: a panel does when
+    it is displayed. Returns the warm.Server, or None where launches are cold anyway."""
+    global _warm
+    if os.environ.get(COLD_ENV) or not sys.platform.startswith("linux"):
+        return None
+    env = base_env()
+    with _warm_lock:
+        old = _warm
+        if old is not None and (not old.alive() or (old.hello and old.why_not(env))):
+            _warm = None
+        if _warm is None:
+            _warm = _in_spawner(lambda: warm.Server(env))   # tied to the spawner thread, which lives on
+        server = _warm
+    if old is not None and old is not server:
+        old.stop()
+    return server
+
+
+def _warm_server(env, cold, nnodes):
+    """(the warm process to use, None) or (None, why this launch is cold)."""
+    if cold:
+        return None, "asked for (cold=True, --cold)"
+    if os.environ.get(COLD_ENV):
+        return None, f"{COLD_ENV} is set"
+    if nnodes > 1:
+        return None, "a run over several nodes starts its agents as a CLI torchrun does"
+    server = warm_up()
+    if server is None:
+        return None, "warm launches need Linux (fork and prctl)"
+    if not interrupts.wait_for(server.started, WARM_WAIT_S):
+        return None, f"the warm process was not up within {WARM_WAIT_S} s"
+    why = server.why_not(env)
+    if why is not None:
+        warm_up()   # replaces a stale one for the next launch
+        return None, why
+    return server, None
+
+
 def _versions():
     out = {"python": platform.python_version(), "ddp_lesson": __version__}
     for pkg in ("torch", "torchvision"):
@@ -133,10 +196,11 @@ def _prepare_run_dir(run_dir, script):
 
 def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_restarts=0,
           timeout=None, env=None, label=None, nnodes=1, node_rank=0, rdzv_endpoint=None,
-          rdzv_id=None, private_files=None):
+          rdzv_id=None, private_files=None, cold=False):
     """Launch `script` under torchrun and return a Run at once. Bad input raises
     BadInput (one sentence) before anything starts. private_files: {name: bytes} written
-    into the run directory, readable by this user only, before any process starts."""
+    into the run directory, readable by this user only, before any process starts.
+    cold: start the agent and every rank as new interpreters, as a CLI torchrun does."""
     script = Path(script)
     if not script.is_file():
         raise BadInput(f"The script {script} does not exist." if not script.exists()
@@ -151,6 +215,8 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
         raise BadInput("A run over several nodes needs --rdzv-endpoint HOST:PORT (node 0's address).")
     args = [str(a) for a in args]
     plan = devices.plan(nproc=nproc, gpus=gpus, cpu=cpu)
+    user_env = {k: str(v) for k, v in (env or {}).items()}
+    server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, cold, nnodes)
     path = _prepare_run_dir(run_dir, script)
     shutil.copyfile(script, rundir.script(path))
     for name, data in (private_files or {}).items():
@@ -162,22 +228,24 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
         rdzv = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", str(rdzv_id or "ddp-lesson")]
     token = secrets.token_hex(8)
+    torchrun = ["-m", "torch.distributed.run", *rdzv,
+                "--nproc-per-node", str(plan.nproc), "--max-restarts", str(max_restarts),
+                "--log-dir", str(rundir.torchrun_logs(path)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                "--monitor-interval", "0.1"]
+    rank = ["--rank", str(rundir.script(path)), *args]
     cmd = [sys.executable, "-m", "ddp_lesson.guard", "--agent", "--parent", str(os.getpid()),
-           "--signal", "TERM",
-           "-m", "torch.distributed.run", *rdzv,
-           "--nproc-per-node", str(plan.nproc), "--max-restarts", str(max_restarts),
-           "--log-dir", str(rundir.torchrun_logs(path)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-           "--monitor-interval", "0.1",
-           "-m", "ddp_lesson.guard", "--rank", str(rundir.script(path)), *args]
-    child_env = clean_env(os.environ)
+           "--signal", "TERM", *torchrun, "-m", "ddp_lesson.guard", *rank]
+    # the warm agent: the same torchrun module, told to run the rank's entry file in forked
+    # workers (its own --run-path and --start-method fork); the warm process adds --agent --parent
+    warm_args = ["--signal", "TERM", *torchrun, "--run-path", "--start-method", "fork",
+                 str(Path(__file__).with_name("forked_rank.py")), *rank]
+    child_env = base_env()
     child_env.update(plan.env)
     child_env.update({
         rundir.ENV: str(path),
         rundir.TOKEN_ENV: token,  # with the run dir, what identifies this run's processes
         "DDP_LESSON_SCRIPT_DIR": str(script.resolve().parent),
         "DDP_LESSON_BACKEND": plan.backend,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p),
     })
     # torchrun >= 2.5 hands its rendezvous store to the ranks and keeps it across elastic
     # restarts, so a restarted rank can read the previous attempt's gloo/NCCL addresses and
@@ -186,7 +254,7 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     # restarts can happen: otherwise runs stay exactly as under plain torchrun.
     if max_restarts > 0:
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    child_env.update({k: str(v) for k, v in (env or {}).items()})
+    child_env.update(user_env)
     config = {
         "script": str(script.resolve()), "args": args, "label": label or script.stem,
         "nproc": plan.nproc, "devices": plan.gpus or "cpu", "backend": plan.backend,
@@ -198,16 +266,29 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
         # who supervises the run: `cleanup` spares runs whose launcher is still alive
         "launcher": {"pid": os.getpid(), "create_time": procs.create_time(os.getpid())},
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_unix": time.time(),
-        "command": cmd,
+        "command": cmd,   # the cold launch; a warm one runs the same torchrun (see "launch")
+        "torchrun": torchrun_line(plan.nproc, rdzv, max_restarts, script.name, args),
+        "launch": {"mode": "warm" if server else "cold", "why": why_cold},
     }
     write_json(rundir.config(path), config)
-    return Run(path, cmd, child_env, config, timeout)
+    warm_spawn = None
+    if server is not None:
+        warm_spawn = (server, warm_args, {**child_env, guard.FORKED_ENV: "1"})
+    return Run(path, cmd, child_env, config, timeout, warm_spawn)
+
+
+def torchrun_line(nproc, rdzv, max_restarts, script_name, args):
+    """The plain torchrun command a learner would type for this launch."""
+    words = ["torchrun", *rdzv, f"--nproc-per-node={nproc}"]
+    if max_restarts:
+        words.append(f"--max-restarts={max_restarts}")
+    return " ".join(words + [script_name, *args])
 
 
 class Run:
     """Handle on one launch. Safe to poll from a notebook's main thread."""
 
-    def __init__(self, run_dir, cmd, env, config, timeout):
+    def __init__(self, run_dir, cmd, env, config, timeout, warm_spawn=None):
         self.run_dir = Path(run_dir)
         self.config = config
         self.timeout = timeout
@@ -220,14 +301,23 @@ class Run:
         self._stop_requested = False
         self._timed_out = False
         self._t0 = time.monotonic()
-        _in_spawner(lambda: self._spawn(cmd, env))
+        _in_spawner(lambda: self._spawn(cmd, env, warm_spawn))
 
-    def _spawn(self, cmd, env):
+    def _spawn(self, cmd, env, warm_spawn):
         """In the spawner thread: the agent, its place in _live and its watcher, together."""
-        with open(rundir.agent_log(self.run_dir), "wb") as agent_log:
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         cwd=os.getcwd())
+        self.proc = None
+        if warm_spawn is not None:
+            server, args, warm_env = warm_spawn
+            try:
+                self.proc = server.spawn(args, warm_env, os.getcwd(), rundir.agent_log(self.run_dir))
+            except warm.Unavailable as e:   # cold after all, and config.json says so
+                self.config["launch"] = {"mode": "cold", "why": str(e)}
+                write_json(rundir.config(self.run_dir), self.config)
+        if self.proc is None:
+            with open(rundir.agent_log(self.run_dir), "wb") as agent_log:
+                self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             cwd=os.getcwd())
         # held from the start (only our watcher reaps it), so a reused PID is never signalled
         self._agent = procs.process(self.proc.pid)
         _live.add(self)
@@ -313,7 +403,7 @@ class Run:
         try:
             # Nothing of the run may outlive it, whatever happened to the agent.
             procs.end_tree(self._agent, grace=0, run_dir=self.run_dir, token=self.token)
-            if self.proc.poll() is None:
+            if not isinstance(error, warm.Lost) and self.proc.poll() is None:
                 rc = self.proc.wait()
             self._finish(rc, where, error)
         except BaseException as e:
@@ -378,3 +468,9 @@ class Run:
 def _stop_all():
     for run in list(_live):
         run.stop(grace=2)
+    if _warm is not None:
+        _warm.stop()
+
+
+if "ipykernel" in sys.modules:   # a notebook will launch: have torch imported by then
+    warm_up()

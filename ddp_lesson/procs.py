@@ -8,6 +8,7 @@ import time
 import psutil
 
 from . import rundir
+from .warm_server import FOR_ENV
 
 
 def tree(pid):
@@ -68,6 +69,34 @@ def run_processes(run_dir=None, token=None):
                 and (token is None or env.get(rundir.TOKEN_ENV) == token):
             found.append(p)
     return found
+
+
+def warm_processes():
+    """{process: (launcher pid, launcher start time)} of this user's warm processes (the
+    ones warm launches fork from), found by the variable each carries in its environment."""
+    found = {}
+    for p in _mine():
+        try:
+            value = p.environ().get(FOR_ENV)
+        except psutil.Error:
+            continue
+        if value:
+            pid, _, started = value.partition(" ")
+            try:
+                found[p] = (int(pid), float(started))
+            except ValueError:
+                found[p] = (None, None)
+    return found
+
+
+def _mine():
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and (uid is None or p.uids().real == uid):
+                yield p
+        except psutil.Error:
+            continue
 
 
 def alive(p):

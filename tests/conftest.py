@@ -130,7 +130,9 @@ def ipython_cells():
 
 
 def child_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_LESSON_")}
+    """An environment for a child process: this checkout importable, no DDP_LESSON_* variable
+    inherited but DDP_LESSON_COLD (a test of cold launches runs its launchers cold too)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_LESSON_") or k == "DDP_LESSON_COLD"}
     env.pop("MASTER_PORT", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"

@@ -17,8 +17,10 @@ relies on:
 - with `max_restarts=1` a run whose rank dies once resumes from its checkpoint and
   completes.
 
-The autouse fixture in conftest.py also fails any test that leaves a process of its runs
-behind. Failures printed by the command line (`run` exit codes) are in test_cli.py.
+Every test runs twice: warm (the default: agent and ranks forked from a warm process) and
+cold (DDP_LESSON_COLD=1: new interpreters, as a CLI torchrun), and checks that its launches
+went that way. The autouse fixture in conftest.py also fails any test that leaves a process
+of its runs behind. Failures printed by the command line (`run` exit codes) are in test_cli.py.
 """
 import json
 import os
@@ -36,6 +38,24 @@ from conftest import REPO, SCRIPTS, child_env, processes_under, wait_until
 from ddp_lesson import launch, procs, runs
 
 TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
+
+
+@pytest.fixture(scope="module", params=["warm", "cold"], autouse=True)
+def launch_mode(request):
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "cold":
+            mp.setenv(launch.COLD_ENV, "1")
+        else:
+            mp.delenv(launch.COLD_ENV, raising=False)
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def launches_went_that_way(launch_mode, tmp_path):
+    yield
+    for config in tmp_path.rglob("config.json"):
+        mode = json.loads(config.read_text()).get("launch", {}).get("mode")
+        assert mode == launch_mode, f"{config}: launched {mode}, not {launch_mode}"
 
 
 def ranks_ready(run_dir, nproc=2, word="ready"):
@@ -82,7 +102,7 @@ def hold_port(port=29500):
 # -- one successful run serves the contract checks ------------------------------------------
 
 @pytest.fixture(scope="module")
-def contract_run(tmp_path_factory):
+def contract_run(tmp_path_factory, launch_mode):
     base = tmp_path_factory.mktemp("contract")
     gate = base / "gate"
     held = hold_port(29500)  # none held: something else has it already, just as good
@@ -137,7 +157,7 @@ def test_metrics_readable_while_the_run_goes(contract_run):
 
 
 @pytest.mark.timeout(120)
-def test_run_directory_contract(contract_run):
+def test_run_directory_contract(contract_run, launch_mode):
     run = contract_run["run"]
     d = run.run_dir
     assert d.is_absolute()
@@ -146,6 +166,7 @@ def test_run_directory_contract(contract_run):
         assert key in config, key
     assert config["script"] == str(SCRIPTS / "contract.py")
     assert config["nproc"] == 2 and config["backend"] == "gloo" and config["devices"] == "cpu"
+    assert config["launch"]["mode"] == launch_mode
     assert config["args"][0] == "--gate" and config["args"][2:] == ["--steps", "3"]
     assert config["versions"]["torch"] and config["versions"]["python"]
     assert (d / "script.py").read_bytes() == (SCRIPTS / "contract.py").read_bytes()

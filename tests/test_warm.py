@@ -1,0 +1,278 @@
+"""Warm launches (`launch.warm_up`, ddp_lesson.warm_server, ddp_lesson.warm): a run's agent
+and ranks are forked from a warm process that has imported torch, and each rank is still
+what a CLI torchrun gives it.
+
+- the process tree: launcher -> warm process -> agent -> ranks, and the ranks did not import
+  torch themselves; the warm process holds one thread, no CUDA and no learner-editable module;
+- the same torchrun: every torchrun variable a cold rank gets, with the same values where
+  they do not name a port or a run id; `__main__`, sys.argv, tracebacks on the script's own
+  lines, exit codes; the script and its neighbours read fresh at every launch;
+- what a fork inherits, shed: a stdio lock held by another thread at the fork (shown to hang
+  without the fix), numpy's random state; torch's generator and thread count as in a new process;
+- the warm process killed mid-run, two launchers at once, a stale warm process, a launch
+  whose start-up environment differs, and `cleanup` of a warm process whose launcher is gone.
+
+The launcher checks of test_launch.py run warm (the default) and cold.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, child_env, processes_under, wait_until
+from ddp_lesson import doctor, guard, launch, procs, warm, warm_server
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches need Linux")
+
+SHOW = """
+import json, os, sys
+info = {"torch_before": "torch" in sys.modules, "name": __name__, "argv": sys.argv[1:],
+        "metrics_before": "ddp_lesson.metrics" in sys.modules,
+        "env": {k: v for k, v in os.environ.items()
+                if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                         "ROLE_RANK", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+                or k.startswith("TORCHELASTIC_")}}
+import numpy, torch
+info["torch_rand"] = torch.rand(3).tolist()
+info["numpy_rand"] = numpy.random.rand(3).tolist()
+info["threads"] = torch.get_num_threads()
+info["pid"], info["ppid"] = os.getpid(), os.getppid()
+out = os.path.join(os.environ["DDP_LESSON_RUN_DIR"], "show%s.json" % os.environ["RANK"])
+with open(out, "w") as f:
+    json.dump(info, f)
+"""
+
+
+def shown(run, nproc):
+    return [json.loads((run.run_dir / f"show{r}.json").read_text()) for r in range(nproc)]
+
+
+def launched(script, nproc=2, cold=False, args=(), **kw):
+    run = launch.start(script, nproc=nproc, cpu=True, cold=cold, args=args, timeout=120, **kw)
+    result = run.wait()
+    return run, result
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = launch.warm_up()
+    assert s is not None and s.ready(120), s and s.log_tail()
+    return s
+
+
+def test_warm_and_cold_ranks_get_the_same_torchrun(server, write_script, tmp_path):
+    script = write_script("show.py", SHOW)
+    warm_run, r = launched(script, nproc=3, args=["--lr", "0.1"])
+    assert r["status"] == "ok", r
+    cold_run, r = launched(script, nproc=3, cold=True, args=["--lr", "0.1"])
+    assert r["status"] == "ok", r
+    assert warm_run.config["launch"] == {"mode": "warm", "why": None}
+    assert cold_run.config["launch"]["mode"] == "cold"
+    warm_ranks, cold_ranks = shown(warm_run, 3), shown(cold_run, 3)
+    agent = warm_run.config["command"]  # the equivalent cold command is kept
+    assert "torch.distributed.run" in agent
+    for w, c in zip(warm_ranks, cold_ranks):
+        # forked from a process that had torch: not imported again; a new interpreter had not
+        assert w["torch_before"] and not c["torch_before"]
+        assert w["name"] == c["name"] == "__main__"
+        assert w["argv"] == c["argv"] == ["--lr", "0.1"]
+        assert not w["metrics_before"], "a learner-editable module was preloaded"
+        assert sorted(w["env"]) == sorted(c["env"]), set(w["env"]) ^ set(c["env"])
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  "ROLE_NAME", "MASTER_ADDR", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT",
+                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"):
+            assert w["env"].get(k) == c["env"].get(k), k
+        # torch's default generator starts where a new process's does; threads as OMP_NUM_THREADS says
+        assert w["torch_rand"] == c["torch_rand"]
+        assert w["threads"] == c["threads"] == 1
+    # numpy was seeded once in the warm process: each forked rank draws its own numbers again
+    assert len({tuple(w["numpy_rand"]) for w in warm_ranks}) == 3
+    # the tree: ranks are children of the agent, which the warm process forked
+    agent_pid = warm_run.pid
+    assert {w["ppid"] for w in warm_ranks} == {agent_pid}
+    assert {c["ppid"] for c in cold_ranks} == {cold_run.pid}
+
+
+def test_the_warm_process_holds_one_thread_no_cuda_and_only_the_guard(server):
+    hello = server.hello
+    assert hello["threads"] == 1
+    assert hello["cuda_initialized"] is False
+    assert set(hello["modules"]) <= {"ddp_lesson", "ddp_lesson.guard", "ddp_lesson.rundir"}
+    assert psutil.Process(server.pid).ppid() == os.getpid()
+
+
+def test_edits_count_and_tracebacks_show_the_scripts_lines(server, write_script):
+    write_script("helper_mod.py", "VALUE = 1\n")
+    script = write_script("edit.py", textwrap.dedent("""
+        import os, helper_mod
+        print("value", helper_mod.VALUE, flush=True)
+        if os.environ["RANK"] == "1":
+            raise ValueError("planted")
+    """))
+    run, r = launched(script)
+    assert r["status"] == "failed" and r["failure"]["rank"] == 1, r
+    assert "value 1" in run.log_tail(0)
+    error = json.loads((run.run_dir / "logs" / "rank1.error.json").read_text())
+    assert f'"{run.run_dir / "script.py"}", line 5' in error["traceback"], error["traceback"]
+    for plumbing in ("warm_server", "forked_rank", "multiprocessing", "runpy"):
+        assert plumbing not in error["traceback"], error["traceback"]
+    assert error["traceback"].count("ValueError: planted") == 1
+    write_script("helper_mod.py", "VALUE = 2\n")   # the module next to the script, edited
+    script.write_text(script.read_text().replace('raise ValueError("planted")', "pass"))
+    run, r = launched(script)
+    assert r["status"] == "ok", r
+    assert "value 2" in run.log_tail(0)
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_exit_codes_are_torchruns(server, write_script, cold):
+    script = write_script("exit3.py", 'import os, sys\nif os.environ["RANK"] == "1": sys.exit(3)\n')
+    run, r = launched(script, cold=cold)
+    assert r["status"] == "failed" and r["failure"]["rank"] == 1 and r["failure"]["exitcode"] == 3, r
+    assert r["returncode"] == 1   # torchrun's own exit status after a failed rank
+
+
+INHERITED_LOCK = """
+import os, sys, threading, time
+from ddp_lesson import guard
+r, w = os.pipe()                       # nobody reads: a big write blocks, holding the buffer's lock
+sys.stdout = open(w, "w", buffering=1024)
+threading.Thread(target=lambda: (sys.stdout.write("x" * 1_000_000), sys.stdout.flush()), daemon=True).start()
+time.sleep(0.5)
+pid = os.fork()
+if pid == 0:                           # a rank forked while another thread held the lock
+    os.environ.update(RANK="0", DDP_LESSON_RUN_DIR=sys.argv[1])
+    if sys.argv[2] == "shed":
+        os.environ[guard.FORKED_ENV] = "1"
+    guard.run_target([sys.argv[3]], rank="0")
+    os._exit(0)
+deadline = time.time() + 10
+while time.time() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("finished", status, file=sys.stderr)
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("hung", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("shed", [True, False], ids=["shed", "kept"])
+def test_a_rank_sheds_a_stdio_lock_it_inherited(tmp_path, write_script, repo_env, shed):
+    """Without shedding, the inherited lock is never released and the rank hangs: the check
+    would fail if the guard kept the inherited stdio objects."""
+    harness = write_script("lock.py", INHERITED_LOCK)
+    rank_script = write_script("prints.py", 'print("hello from the rank", flush=True)\n')
+    run_dir = tmp_path / "lockrun"
+    run_dir.mkdir()
+    out = subprocess.run([sys.executable, str(harness), str(run_dir), "shed" if shed else "kept",
+                          str(rank_script)], env=repo_env, capture_output=True, text=True, timeout=60)
+    if shed:
+        assert "finished 0" in out.stderr, out.stderr
+        assert "hello from the rank" in (run_dir / "logs" / "rank0.stdout.log").read_text()
+    else:
+        assert "hung" in out.stderr, out.stderr
+
+
+def test_killing_the_warm_process_mid_run_ends_the_run_and_the_next_launch_works(write_script):
+    server = launch.warm_up()
+    assert server.ready(120)
+    script = write_script("sleepy.py", 'import time\nprint("ready", flush=True)\ntime.sleep(300)\n')
+    run = launch.start(script, nproc=2, cpu=True, timeout=200)
+    assert run.config["launch"]["mode"] == "warm"
+    assert wait_until(lambda: all((run.run_dir / "logs" / f"rank{r}.stdout.log").exists()
+                                  and "ready" in (run.run_dir / "logs" / f"rank{r}.stdout.log").read_text()
+                                  for r in range(2)), 60)
+    pids = run.pids()
+    os.kill(server.pid, signal.SIGKILL)
+    result = run.wait(60)
+    assert result is not None and result["status"] == "failed", result
+    assert "warm process" in result["message"], result
+    assert wait_until(lambda: not [p for p in pids if psutil.pid_exists(p) and procs.alive(psutil.Process(p))], 30)
+    _, r = launched(write_script("ok.py", "pass\n"))
+    assert r["status"] == "ok", r
+    assert launch.warm_up().pid != server.pid
+
+
+TWO_KERNELS = """
+import json, sys
+from ddp_lesson import launch
+run = launch.start(sys.argv[1], nproc=2, cpu=True, timeout=120)
+r = run.wait()
+print(json.dumps({"status": r["status"], "launch": run.config["launch"]["mode"],
+                  "warm": launch.warm_up().pid}))
+"""
+
+
+def test_two_launchers_at_once_each_have_their_own_warm_process(write_script, repo_env):
+    harness = write_script("kernel.py", TWO_KERNELS)
+    script = write_script("ok2.py", "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                    "dist.barrier()\ndist.destroy_process_group()\n")
+    kernels = [subprocess.Popen([sys.executable, str(harness), str(script)], env=repo_env,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [json.loads(k.communicate(timeout=240)[0].strip().splitlines()[-1]) for k in kernels]
+    assert [o["status"] for o in outs] == ["ok", "ok"]
+    assert [o["launch"] for o in outs] == ["warm", "warm"]
+    assert outs[0]["warm"] != outs[1]["warm"]
+
+
+def test_a_stale_warm_process_is_replaced(server, write_script, monkeypatch):
+    script = write_script("ok3.py", "pass\n")
+    monkeypatch.setattr(warm, "fingerprint", lambda: "upgraded")   # as if torch or the package changed
+    run, r = launched(script)
+    assert r["status"] == "ok" and run.config["launch"]["mode"] == "cold", run.config["launch"]
+    assert "changed on disk" in run.config["launch"]["why"]
+    fresh = launch.warm_up()
+    assert fresh.pid != server.pid and not server.alive()
+    monkeypatch.undo()
+    assert fresh.ready(120)
+    run, r = launched(script)
+    assert r["status"] == "ok" and run.config["launch"]["mode"] == "warm"
+
+
+def test_the_fingerprint_follows_the_files(tmp_path):
+    for name in warm_server.OWN_FILES:
+        (tmp_path / name).write_text("x = 1\n")
+    before = warm_server.fingerprint(tmp_path)
+    assert warm_server.fingerprint(tmp_path) == before
+    (tmp_path / "guard.py").write_text("x = 2\n")
+    assert warm_server.fingerprint(tmp_path) != before
+
+
+def test_a_start_up_variable_that_differs_makes_the_launch_cold(write_script):
+    launch.warm_up().ready(120)
+    run, r = launched(write_script("ok4.py", "pass\n"), env={"TORCH_LOGS": "+dynamo"})
+    assert r["status"] == "ok"
+    assert run.config["launch"] == {"mode": "cold", "why": "TORCH_LOGS differs from the warm process's, "
+                                                           "and it is read only at start-up"}
+
+
+def test_cleanup_ends_a_warm_process_whose_launcher_is_gone(repo_env, tmp_path):
+    started = []
+    # ours, and one whose launcher "PID 1 started at 0" is not alive (PID 1 started later)
+    for owner in (f"{os.getpid()} {procs.create_time(os.getpid())}", "1 0.0"):
+        env = dict(repo_env, **{warm_server.FOR_ENV: owner})
+        started.append(subprocess.Popen([sys.executable, "-m", "ddp_lesson.warm_server", "--parent",
+                                         str(os.getpid()), str(tmp_path / f"s{len(started)}")],
+                                        env=env, stdout=subprocess.PIPE, start_new_session=True))
+    try:
+        found = procs.warm_processes()
+        assert {p.pid for p in found} >= {s.pid for s in started}
+        out = tmp_path / "out.txt"
+        with open(out, "w") as f:
+            doctor.cleanup(out=f)
+        assert started[1].wait(10) is not None            # its launcher "1 0.0" is not alive
+        assert started[0].poll() is None                  # ours is: spared
+        assert f"pid {started[1].pid}: a warm process whose launcher is gone" in out.read_text()
+    finally:
+        for s in started:
+            s.kill()
+            s.wait()
