@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 
 from . import rundir
 
@@ -214,24 +215,33 @@ def environ_space():
     return start, end - start
 
 
+FIRST_IN_ENVIRON = (rundir.ENV, rundir.TOKEN_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
 def environ_text(env):
-    return b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0" for k, v in env.items())
+    """The environment as /proc/<pid>/environ holds it, the run's identity first."""
+    keys = [k for k in FIRST_IN_ENVIRON if k in env] + [k for k in env if k not in FIRST_IN_ENVIRON]
+    return b"".join(f"{k}={env[k]}".encode(errors="surrogateescape") + b"\0" for k in keys)
 
 
 def publish_environ():
     """Make /proc/<pid>/environ show os.environ as it is now. It is how this course knows a
     run's processes (procs.run_processes, cleanup, the agent's sweep), and a forked process
     would otherwise show the environment of the process it was forked from. The text is
-    written over the original, which must be long enough (the warm process starts with
-    padding). libc's own environment no longer points there once os.environ was cleared."""
+    written over the original (the warm process starts with padding for it); what does not
+    fit is left out, whole variables from the end, so the run's identity always fits. libc's
+    own environment no longer points there once os.environ was cleared. True if all fit."""
     start, size = environ_space()
     text = environ_text(os.environ)
-    if len(text) > size:
-        raise OSError(f"the environment ({len(text)} bytes) does not fit the {size} bytes it may use")
+    fits = len(text) <= size
+    if not fits:
+        text = text[:text.rindex(b"\0", 0, size) + 1]
     ctypes.memmove(start, text + b"\0" * (size - len(text)), size)
+    return fits
 
 
 _start_signals = {}
+_inherited_files = weakref.WeakSet()
 
 
 def remember_signals():
@@ -267,6 +277,9 @@ def _shed_inheritance():
     """What a forked rank must not keep from the process it was forked from."""
     restore_signals()
     atexit._clear()  # the warm process's handlers are not the script's
+    # inherited file objects are not flushed at the end: their buffers hold the agent's
+    # output (it would come out twice) and their locks may be held by a thread not here
+    _inherited_files.update(o for o in gc.get_objects() if issubclass(type(o), io.IOBase))
     publish_environ()  # RANK and the rest, which torch's worker code has just set
     # another thread of the agent may have held a stdio object's lock at the fork; that
     # thread does not exist here, so the lock would never be released: take new objects
@@ -274,10 +287,14 @@ def _shed_inheritance():
                                   write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
                                   write_through=True, errors="backslashreplace")
+    # seeded once in the warm process, every rank would draw alike; a new process seeds
+    # from the OS (Python's random reseeds itself after a fork)
     numpy = sys.modules.get("numpy")
-    if numpy is not None:  # seeded once in the warm process: every rank would draw alike
+    if numpy is not None:
         numpy.random.seed()
     torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()   # CUDA's generators too, lazily: it does not initialize CUDA
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # what import torch does with it in a new process
@@ -337,7 +354,7 @@ def _exit_rank(code):
     with warnings.catch_warnings():  # looking at every object must not print deprecations
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if issubclass(type(obj), io.IOBase):  # type(): no __class__ lookup on proxies
+            if issubclass(type(obj), io.IOBase) and obj not in _inherited_files:  # type(): no __class__ lookup on proxies
                 try:
                     if not obj.closed:
                         obj.flush()

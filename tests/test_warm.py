@@ -8,7 +8,7 @@ what a CLI torchrun gives it.
   they do not name a port or a run id; `__main__`, sys.argv, tracebacks on the script's own
   lines, exit codes; the script and its neighbours read fresh at every launch;
 - what a fork inherits, shed: a stdio lock held by another thread at the fork (shown to hang
-  without the fix), numpy's random state; torch's generator and thread count as in a new process;
+  without the fix), the random state of torch and numpy, torch's thread count;
 - the warm process killed mid-run, two launchers at once, a stale warm process, a launch
   whose start-up environment differs, and `cleanup` of a warm process whose launcher is gone.
 
@@ -88,11 +88,12 @@ def test_warm_and_cold_ranks_get_the_same_torchrun(server, write_script, tmp_pat
                   "ROLE_NAME", "MASTER_ADDR", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT",
                   "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"):
             assert w["env"].get(k) == c["env"].get(k), k
-        # torch's default generator starts where a new process's does; threads as OMP_NUM_THREADS says
-        assert w["torch_rand"] == c["torch_rand"]
-        assert w["threads"] == c["threads"] == 1
-    # numpy was seeded once in the warm process: each forked rank draws its own numbers again
-    assert len({tuple(w["numpy_rand"]) for w in warm_ranks}) == 3
+        assert w["threads"] == c["threads"] == 1   # as OMP_NUM_THREADS says
+    # a new process seeds torch and numpy from the OS; forks of one warm process would all
+    # draw the same numbers unless each is seeded again
+    for ranks in (warm_ranks, cold_ranks):
+        for rng in ("torch_rand", "numpy_rand"):
+            assert len({tuple(r[rng]) for r in ranks}) == 3, (rng, ranks)
     # the tree: ranks are children of the agent, which the warm process forked
     agent_pid = warm_run.pid
     assert {w["ppid"] for w in warm_ranks} == {agent_pid}
@@ -162,6 +163,7 @@ while time.time() < deadline:
 else:
     os.kill(pid, 9)
     print("hung", file=sys.stderr)
+os._exit(0)   # stdout's lock is still held: an orderly exit would flush it and hang
 """
 
 
