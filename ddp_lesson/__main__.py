@@ -24,6 +24,9 @@ def _device_args(p):
     p.add_argument("--gpus", help="physical GPU ids to use, e.g. 0,1 (one rank each)")
     p.add_argument("--cpu", action="store_true", help="CPU processes on gloo even where GPUs exist")
     p.add_argument("--run-dir", help="a new folder for this run (default: runs/<time>-<script>)")
+    p.add_argument("--cold", action="store_true",
+                   help="start the agent and every rank as new interpreters, as a CLI torchrun does "
+                        "(default: forked from a warm process that has imported torch)")
 
 
 def build_parser():
@@ -106,14 +109,15 @@ def supervise(run, quiet=False):
 def cmd_run(a, script_args):
     run = launch.start(a.script, nproc=a.nproc, gpus=a.gpus, cpu=a.cpu, args=script_args,
                        run_dir=a.run_dir, max_restarts=a.max_restarts, timeout=a.timeout,
-                       nnodes=a.nnodes, node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint)
+                       nnodes=a.nnodes, node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint,
+                       cold=a.cold)
     return supervise(run, a.quiet)
 
 
 def cmd_demo(a):
     epochs = checks.number("--epochs", a.epochs, 1)
     run = launch.start(SCRIPTS / "train_ddp.py", nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
-                       args=["--epochs", str(epochs)], run_dir=a.run_dir, label="demo")
+                       args=["--epochs", str(epochs)], run_dir=a.run_dir, label="demo", cold=a.cold)
     what = devices.describe(run.config["nproc"], run.config["devices"], run.config["backend"])
     print(f"demo: {what}, {epochs} epoch(s); "
           f"run directory {run.run_dir}", flush=True)

@@ -320,10 +320,20 @@ def run_target(argv, rank=None):
     if rank is None:
         run()
         return
+    real_exit, keep = os._exit, forked()
+    if keep:
+        os._exit = _zero_exit_returns(real_exit)
     try:
-        run()
+        # a forked rank ends in torch's worker code, not in os._exit here: it keeps the
+        # script's globals and frames, so no destructor runs then (one can abort the process)
+        result = run()
+        if keep:
+            _kept.append(result)
     except SystemExit as e:
+        if keep:
+            _kept.append(e)
         if e.code in (None, 0):
+            os._exit = real_exit
             _exit_rank(0)
             return
         code = e.code if isinstance(e.code, int) else 1
@@ -336,7 +346,24 @@ def run_target(argv, rank=None):
         _record(run_dir, rank, f"{type(e).__name__}: {e}", tb)
         sys.stderr.write(tb)  # once, as the interpreter would, without our frames
         _exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
+    os._exit = real_exit
     _exit_rank(0)
+
+
+_kept = []
+
+
+def _zero_exit_returns(real_exit):
+    """os._exit for a forked rank's script: torchrun collects a forked rank's result when it
+    returns, so os._exit(0) (some scripts leave that way, to skip destructors) ends the
+    script as sys.exit(0) does. Its own children (a DataLoader's workers) exit for real."""
+    rank_pid = os.getpid()
+
+    def _exit(code):
+        if code == 0 and os.getpid() == rank_pid:
+            raise SystemExit(0)
+        real_exit(code)
+    return _exit
 
 
 def _exit_rank(code):

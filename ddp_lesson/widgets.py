@@ -245,6 +245,7 @@ class RunPanel:
         return {name: w.value for name, w in self.inputs.items()}
 
     def _ipython_display_(self):
+        launch.warm_up()   # torch imported before Run is pressed (returns at once)
         display(self.widget)
         self.plot.show()
 

@@ -278,3 +278,19 @@ def test_cleanup_ends_a_warm_process_whose_launcher_is_gone(repo_env, tmp_path):
         for s in started:
             s.kill()
             s.wait()
+
+
+def test_a_script_that_leaves_with_os_exit_0_ends_warm_and_cold(server, write_script):
+    """torchrun collects a forked rank's result when it returns: os._exit(0) must still end
+    the run (course scripts leave that way to skip a DDP object's destructor)."""
+    script = write_script("osexit.py", textwrap.dedent("""
+        import os, sys, torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        print("done", flush=True)
+        os._exit(0)
+    """))
+    for cold in (False, True):
+        run, r = launched(script, cold=cold)
+        assert r["status"] == "ok", r
+        assert "done" in run.log_tail(1)
