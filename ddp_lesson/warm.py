@@ -24,12 +24,15 @@ import time
 from . import procs
 from .warm_server import FOR_ENV, PAD_BYTES, PAD_ENV, fingerprint
 
-# read when Python or torch start: a process forked from one started with other values
-# would not be what the launch asked for (OMP_NUM_THREADS is applied again in each rank)
+# read when Python or torch start (TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported,
+# TORCH_LOGS when torch is): a process forked from one started with other values would not be
+# what the launch asked for. Any TORCH*/PYTORCH_ variable counts, but for the few read later,
+# when a process group or a rendezvous is made. OMP_NUM_THREADS is applied again in each rank.
 START_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
              "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "LD_PRELOAD", "LD_LIBRARY_PATH",
-             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL")
-START_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "KMP_", "GOMP_")
+             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_")
+READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10
 
 
@@ -42,7 +45,8 @@ class Lost(Exception):
 
 
 def start_vars(env):
-    return {k: v for k, v in env.items() if k in START_ENV or k.startswith(START_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if (k in START_ENV or k.startswith(START_PREFIXES)) and not k.startswith(READ_LATER)}
 
 
 class Server:
