@@ -71,6 +71,21 @@ def log(step, **values):
     f.write(json.dumps(row, allow_nan=False) + "\n")  # line-buffered: the newline flushes it
 
 
+def log_process(step=0, **values):
+    """One row about this rank's process, for 00's process-tree picture: its pid, its parent's
+    (the torchrun agent), its local rank, the world size, the ranks' store and the ports the
+    agent listens on (the rendezvous store and, by default, the ranks' store too)."""
+    import psutil
+    agent = psutil.Process(os.getppid())
+    try:
+        ports = sorted({c.laddr.port for c in agent.net_connections("tcp") if c.status == psutil.CONN_LISTEN})
+    except psutil.Error:
+        ports = []
+    log(step, pid=os.getpid(), parent=agent.pid, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", agent_ports=ports, **values)
+
+
 _statm = (None, None)  # (pid, descriptor): "self" was resolved when it was opened
 
 

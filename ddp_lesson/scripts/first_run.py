@@ -6,7 +6,6 @@ That average is the idea DistributedDataParallel automates (notebook 03).
 """
 import os
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -36,8 +35,7 @@ def main():
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    print(f"rank {rank} of {world}, local rank {local_rank}, pid {os.getpid()}, device {device}",
-          flush=True)
+    print(f"rank {rank} of {world}, local rank {local_rank}, device {device}", flush=True)
 
     x, y = make_data()
     x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)   # this rank's shard
@@ -45,10 +43,7 @@ def main():
     torch.manual_seed(0)                                       # the same starting model on every rank
     model = torch.nn.Linear(2, 1).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    agent = psutil.Process(os.getppid())                       # for section 2's picture: the ports
-    agent_ports = sorted({c.laddr.port for c in agent.net_connections("tcp") if c.status == "LISTEN"})
-    metrics.log(0, pid=os.getpid(), parent=agent.pid, local_rank=local_rank, world_size=world, lr=LR,
-                store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", agent_ports=agent_ports)
+    metrics.log_process(lr=LR)                                 # pids and ports, for section 2's picture
     for step in range(STEPS):
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
