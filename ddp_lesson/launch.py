@@ -268,7 +268,8 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_unix": time.time(),
         "command": cmd,   # the cold launch; a warm one runs the same torchrun (see "launch")
         "torchrun": torchrun_line(plan.nproc, rdzv, max_restarts, script.name, args),
-        "launch": {"mode": "warm" if server else "cold", "why": why_cold},
+        "launch": {"mode": "warm" if server else "cold", "why": why_cold,
+                   "warm_pid": server.pid if server else None},
     }
     write_json(rundir.config(path), config)
     warm_spawn = None
@@ -311,7 +312,7 @@ class Run:
             try:
                 self.proc = server.spawn(args, warm_env, os.getcwd(), rundir.agent_log(self.run_dir))
             except warm.Unavailable as e:   # cold after all, and config.json says so
-                self.config["launch"] = {"mode": "cold", "why": str(e)}
+                self.config["launch"] = {"mode": "cold", "why": str(e), "warm_pid": None}
                 write_json(rundir.config(self.run_dir), self.config)
         if self.proc is None:
             with open(rundir.agent_log(self.run_dir), "wb") as agent_log:

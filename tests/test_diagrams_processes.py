@@ -173,3 +173,10 @@ def test_cuda_renumbering_is_not_the_identity():
     # "cards 2 and 3 become cuda:0 and cuda:1": a drawing that kept physical numbers fails
     a = arrows(cuda_renumbering("2,3", 8))
     assert "map:2->0" in a and "map:3->1" in a and "map:2->2" not in a
+
+
+def test_process_tree_says_which_warm_process_forked_the_agent():
+    cold = " ".join(texts(process_tree(111, 321, RANKS)))
+    warm = " ".join(texts(process_tree(111, 321, RANKS, warm_pid=4242)))
+    assert "4242" in warm and "forks the agent" in warm
+    assert "4242" not in cold and "forks the agent" not in cold

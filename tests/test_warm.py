@@ -72,7 +72,7 @@ def test_warm_and_cold_ranks_get_the_same_torchrun(server, write_script, tmp_pat
     assert r["status"] == "ok", r
     cold_run, r = launched(script, nproc=3, cold=True, args=["--lr", "0.1"])
     assert r["status"] == "ok", r
-    assert warm_run.config["launch"] == {"mode": "warm", "why": None}
+    assert warm_run.config["launch"] == {"mode": "warm", "why": None, "warm_pid": server.pid}
     assert cold_run.config["launch"]["mode"] == "cold"
     warm_ranks, cold_ranks = shown(warm_run, 3), shown(cold_run, 3)
     agent = warm_run.config["command"]  # the equivalent cold command is kept
@@ -253,8 +253,8 @@ def test_a_start_up_variable_that_differs_makes_the_launch_cold(write_script):
     launch.warm_up().ready(120)
     run, r = launched(write_script("ok4.py", "pass\n"), env={"TORCH_LOGS": "+dynamo"})
     assert r["status"] == "ok"
-    assert run.config["launch"] == {"mode": "cold", "why": "TORCH_LOGS differs from the warm process's, "
-                                                           "and it is read only at start-up"}
+    assert run.config["launch"] == {"mode": "cold", "warm_pid": None,
+                                    "why": "TORCH_LOGS differs from the warm process's, and it is read only at start-up"}
 
 
 def test_cleanup_ends_a_warm_process_whose_launcher_is_gone(repo_env, tmp_path):

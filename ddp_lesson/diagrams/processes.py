@@ -18,7 +18,7 @@ def _tag(ax, gid):
 
 
 def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_ports=None,
-                 world_size=None):
+                 world_size=None, warm_pid=None):
     """The process tree of one run on one machine (node), and the stores its processes meet at.
 
     kernel_pid: this notebook's kernel, where ddp_lesson supervises the run;
@@ -30,7 +30,8 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
     agent's when its port is one of them, else rank 0's; the agent's other port is the
     rendezvous store, where the agents meet (torch 2.14: DynamicRendezvousHandler);
     run_dir: the run directory's name, where logs and metrics flow back to the kernel;
-    world_size: the job's, when this node holds only some of its ranks."""
+    world_size: the job's, when this node holds only some of its ranks;
+    warm_pid: the warm process that forked the agent for the kernel (a warm launch), if any."""
     ranks = sorted(ranks, key=lambda r: r["rank"])
     numbers = [r["rank"] for r in ranks]
     if len(set(numbers)) != len(numbers) or min(numbers, default=0) < 0:
@@ -71,7 +72,8 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
     _tag(ax, "box:agent")
     arrow(ax, 0.17, 0.80, 0.17, 0.645)
     _tag(ax, "start:agent")
-    ax.text(0.18, 0.72, "starts", fontsize=8)
+    ax.text(0.18, 0.72, "starts" if warm_pid is None else
+            f"starts: its warm process\n(pid {warm_pid}, torch imported)\nforks the agent", fontsize=8)
     if rdzv_ports:
         box(ax, 0.35, 0.60, 0.28, 0.10, "rendezvous store: the agents meet\nport "
             + ", ".join(map(str, rdzv_ports)), "black", alpha=0.03, fontsize=8)
