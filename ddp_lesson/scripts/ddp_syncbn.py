@@ -80,7 +80,8 @@ def main():
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # course: times each step; its comm hook averages gradients exactly as DDP's default does.
+    # course: times each step; its comm hook (a function DDP calls to all-reduce the
+    # gradients) averages them exactly as DDP's default does.
     # Not needed in your code. Only one hook per model: drop this line to add yours.
     timer = metrics.StepTimer(model)
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
