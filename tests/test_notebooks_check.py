@@ -92,3 +92,5 @@ def test_sync_repairs_drift_and_strips_outputs_keeping_ids(notebook):
     assert body.rstrip("\n") == (SCRIPTS / "ddp_basic.py").read_text().rstrip("\n")
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in cells if c["cell_type"] == "code")
+    # 03's whole-script listing starts folded in JupyterLab; the rewritten cell stays folded
+    assert writefile_cell(cells)["metadata"]["jupyter"]["source_hidden"] is True
