@@ -11,7 +11,7 @@ import torch
 
 from ddp_lesson import data, launch, models, runs
 
-SCRIPT = Path(data.__file__).parent / "scripts" / "train_ddp.py"
+SCRIPT = Path(data.__file__).parent / "scripts" / "ddp_basic.py"
 
 
 def test_shapes_is_deterministic_and_balanced():
@@ -116,7 +116,7 @@ def test_reference_script_trains_on_cifar10_fixture(tmp_path):
     run = launch.start(SCRIPT, nproc=2, cpu=True, run_dir=tmp_path / "run",
                        env={"PYTHONPATH": f"{site}:{SCRIPT.parents[2]}"},
                        args=["--epochs", "1", "--dataset", "cifar10", "--data-root", str(tmp_path / "data"),
-                             "--batch-size", "8"])
+                             "--batch-size", "8", "--train-samples", "80"])
     try:   # generous: at load ~17 on 2 cores this 2-rank run took over 100 s
         result = run.wait(timeout=240)
     finally:

@@ -92,7 +92,7 @@ def test_cli():
 
 
 # --- a real Slurm (ddp_lesson/slurm_cluster.sh): the printed script is submitted with sbatch ---
-TRAIN = Path(slurm.__file__).parent / "scripts" / "train_ddp.py"
+TRAIN = Path(slurm.__file__).parent / "scripts" / "ddp_basic.py"
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ DDP_LESSON_NPROC=N sets the default number of CPU ranks; every lesson script cou
 test sample exactly once at any world size. The runs are real torchrun trees at 1 and 3
 gloo ranks (3 does not divide the 1024 test samples, so DistributedSampler's padding
 would show as 1026), all started together so the suite pays torchrun's start-up once.
-train_ddp.py at 3 ranks is not launched here: test_timing.py's straggler run is that run
-(train_ddp.py, 3 ranks, 1 epoch) and asserts the same count on every rank.
+ddp_basic.py at 3 ranks is not launched here: test_timing.py's straggler run is that run
+(ddp_basic.py, 3 ranks, 1 epoch) and asserts the same count on every rank.
 ddp_checks.py at 3 ranks (overlap, buffers, map_location) is not launched here: notebook 03b's
 3-rank rerun (conftest.py) asserts all of it on every rank, in the cell after its timeline."""
 import json

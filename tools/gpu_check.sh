@@ -134,7 +134,7 @@ done
   echo
   echo "## Figures"
   echo
-  echo "### demo (train_ddp.py on GPU $FIRST)"
+  echo "### demo (ddp_basic.py on GPU $FIRST)"
 } >>"$REPORT"
 figures "$WORK/demo"
 say ""; say "### nccl all_reduce on GPUs $IDS ($NGPU rank(s))"
