@@ -37,9 +37,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddp_lesson import devices, launch, metrics, monitor, plots, runs  # noqa: E402
+from ddp_lesson.bundled import script  # noqa: E402
 from ddp_lesson.widgets import DevicePicker, RunPanel  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent.parent / "ddp_lesson" / "scripts" / "ddp_basic.py"
+SCRIPT = script("ddp_basic.py")
 BATCH = 64  # per rank, as in the figures measured before (the reference script's default is 32)
 
 

@@ -6,11 +6,10 @@ Exit status of run/demo: 0 all ranks succeeded; 1 the run failed or timed out;
 import argparse
 import signal
 import sys
-from pathlib import Path
 
 from . import BadInput, checks, devices, failures, launch, monitor
+from .bundled import script
 
-SCRIPTS = Path(__file__).parent / "scripts"
 EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
 
 
@@ -113,7 +112,7 @@ def cmd_run(a, script_args):
 def cmd_demo(a):
     epochs = checks.number("--epochs", a.epochs, 1)
     # notebook 03's script, the course's one reference loop; batch 64: half the steps of its default
-    run = launch.start(SCRIPTS / "ddp_basic.py", nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
+    run = launch.start(script("ddp_basic.py"), nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
                        args=["--epochs", str(epochs), "--batch-size", "64"], run_dir=a.run_dir, label="demo")
     what = devices.describe(run.config["nproc"], run.config["devices"], run.config["backend"])
     print(f"demo: {what}, {epochs} epoch(s); "

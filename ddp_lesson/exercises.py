@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import launch, runs
+from .bundled import script
 
 
 def attempt(script, check, nproc=None, timeout=300):
@@ -317,8 +318,7 @@ def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=Fa
     (the hook's all-reduce is async_op=False), waiting=True (async_op=True, then .wait() in
     the hook): either way backward stalls on the network; late=True (async, but every
     bucket held back until the whole model's last gradient: stage (b)'s timing, no overlap)."""
-    from .lesson import SCRIPTS
-    text = Path(starter or SCRIPTS / "bucketed_exercise.py").read_text()
+    text = Path(starter or script("bucketed_exercise.py")).read_text()
     head = text[:text.index("    def hook(self, p):")]
     launch, wait = "self.works[i] = dist.all_reduce(self.flat[i], async_op=True)", "self.works[i].wait()"
     if blocking:

@@ -34,8 +34,9 @@ import pytest
 
 from conftest import REPO, SCRIPTS, child_env, processes_under, wait_until
 from ddp_lesson import launch, procs, runs
+from ddp_lesson.bundled import script
 
-RESUME = REPO / "ddp_lesson" / "scripts" / "resume.py"
+RESUME = script("resume.py")
 
 
 def ranks_ready(run_dir, nproc=2, word="ready"):

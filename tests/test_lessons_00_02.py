@@ -42,9 +42,9 @@ def test_exercise_with_checker_and_solution(name):
 
 # -- 00: the fast path, its script, the lesson text and the glossary ------------------------
 
-from ddp_lesson.lesson import SCRIPTS, load_script  # noqa: E402
+from ddp_lesson.lesson import load_script, script  # noqa: E402
 
-FIRST_RUN = SCRIPTS / "first_run.py"
+FIRST_RUN = script("first_run.py")
 
 
 def _train_by_hand(script, world, average=True, divide=True, steps=None):

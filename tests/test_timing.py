@@ -18,11 +18,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_lesson import data, metrics, models, monitor, plots, runs
+from ddp_lesson.bundled import script
 from ddp_lesson.widgets import DevicePicker, RunPanel
 
 from conftest import REPO, child_env
 
-TRAIN = REPO / "ddp_lesson" / "scripts" / "ddp_basic.py"
+TRAIN = script("ddp_basic.py")
 
 
 def timed_rows(compute_ms, steps=12):
