@@ -83,7 +83,7 @@ def test_distributed_sampler_pads_with_duplicates_and_drop_last_does_not():
 
 def test_exercise_with_checker_and_solution():
     texts = [source(c) for c in cells() if c["cell_type"] == "code"]
-    assert any("# your answer here" in t and "def check_" in t and "not yet:" in t for t in texts)
+    assert any("# your answer here" in t and "def check_" in t and "grade(check_" in t for t in texts)
     solutions = [c for c in cells() if "solution" in c.get("metadata", {}).get("tags", [])]
     assert solutions and all(c["metadata"]["jupyter"]["source_hidden"] for c in solutions)
     assert all("check_" in source(c) and "starter" in source(c) for c in solutions)

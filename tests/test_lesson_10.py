@@ -311,7 +311,7 @@ def test_amp_check_fails_when_no_micro_batch_all_reduces(launched):
     assert amp["world_size"] == WORLD and amp["scaler"]
     assert [s["same_on_all_ranks"] for s in amp["steps"]] == [False] * len(amp["steps"])
     with pytest.raises(AssertionError, match="different gradients"):
-        load_scriptscript("beyond_amp.py").check(amp)
+        load_script(script("beyond_amp.py")).check(amp)
 
 
 def test_compress_check_fails_when_a_hook_does_not_compress(one_rank, monkeypatch):
@@ -330,8 +330,8 @@ def test_the_notebook_runs_the_scripts_checks():
     # The checks above are the notebook's: its check cells call them on the runs' results.
     nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "10_beyond_ddp.ipynb").read_text())
     code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-    for call in ('load_scriptscript("beyond_amp.py").check(amp)',
-                 'load_scriptscript("beyond_compress.py").check(compress)',
+    for call in ('load_script(script("beyond_amp.py")).check(amp)',
+                 'load_script(script("beyond_compress.py")).check(compress)',
                  "compile10.check(comp)",
-                 'load_scriptscript("beyond_dcp.py").check(saved, loaded)'):
+                 'load_script(script("beyond_dcp.py")).check(saved, loaded)'):
         assert call in code, call

@@ -23,7 +23,7 @@ args = p.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-ring = load_scriptscript("ring_allreduce.py").check(sizes=(1, 3, 7, 1000, 1001, 4096 * world + 1))
+ring = load_script(script("ring_allreduce.py")).check(sizes=(1, 3, 7, 1000, 1001, 4096 * world + 1))
 ddp_scratch = load_script(script("ddp_scratch.py"))
 torch.manual_seed(rank)                    # different initial weights on every rank, as ddp_scratch.py
 base = models.SmallCNN(norm=False)

@@ -27,11 +27,11 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
     p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
-    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
-    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms each step")
     p.add_argument("--slow-ms", type=float, default=0.0, help="a straggler on purpose")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     return p.parse_args()
 
 
