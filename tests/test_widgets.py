@@ -7,12 +7,13 @@ import ipywidgets as W
 import pytest
 
 from ddp_lesson import BadInput, procs, widgets
+from ddp_lesson.bundled import script
 from ddp_lesson.devices import GPU
 from ddp_lesson.widgets import DevicePicker, RunPanel, option_args
 
 from conftest import REPO, wait_until
 
-TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
+TRAIN = script("ddp_syncbn.py")  # the reference loop with --sync-bn
 OPTIONS = {"epochs": 1, "batch-size": 64, "lr": 0.05, "sync-bn": False}
 
 # Pure Python ranks (no torch import, so they start fast): log a metric row and a line

@@ -1,6 +1,6 @@
-"""Notebook 03: DistributedDataParallel, one process per device, launched by torchrun.
+"""Notebook 04: ddp_basic.py + SyncBatchNorm (BatchNorm statistics over all ranks' batches).
 
-    torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
+    torchrun --standalone --nproc-per-node 2 ddp_syncbn.py --epochs 2 --batch-size 4 --sync-bn
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
 own plumbing, not needed in your code: without the StepTimer line, DDP's built-in averaging
 runs instead, with the same result.
@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson import data, metrics, models, syncbn
 
 
 def parse_args():
@@ -27,7 +27,12 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
     p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms each step")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="a straggler on purpose")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sync-bn", action="store_true", help="not type=bool: bool('False') is True")
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     return p.parse_args()
 
 
@@ -66,12 +71,17 @@ def main():
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
 
-    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
-    test_set = data.shapes_split(train=False)
+    train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
+    test_set = data.get(args.dataset, train=False, root=args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-    model = models.SmallCNN().to(device)
+    model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
+    if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
+        if device.type == "cuda":  # PyTorch's SyncBatchNorm: statistics gathered over nccl
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:  # it refuses CPU tensors; the course's CPU version does the same sums over gloo
+            model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # course: times each step; its comm hook (a function DDP calls to all-reduce the
@@ -89,6 +99,7 @@ def main():
             x, y = x.to(device), y.to(device)
             out = model(x)
             loss = F.cross_entropy(out, y)
+            if rank == args.slow_rank: time.sleep(args.slow_ms / 1000)  # a straggler on purpose
             opt.zero_grad(set_to_none=True)
             loss.backward()  # DDP: gradients are averaged over ranks during backward
             opt.step()
@@ -112,7 +123,7 @@ def main():
         torch.save(model.module.state_dict(), ckpt)
     dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
-    plain = models.SmallCNN().to(device)
+    plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
     dist.destroy_process_group()  # DDP
 

@@ -1,12 +1,11 @@
-"""Notebook 05: ddp_syncbn.py + gradient accumulation with no_sync().
+"""Notebook 03: DistributedDataParallel, launched by torchrun; the course's reference loop (the demo).
 
-    torchrun --standalone --nproc-per-node 2 ddp_accum.py --epochs 2 --accum-steps 4
+    torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
 own plumbing, not needed in your code: without the StepTimer line, DDP's built-in averaging
 runs instead, with the same result.
 """
 import argparse
-import contextlib
 import os
 import time
 
@@ -18,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, metrics, models, syncbn
+from ddp_lesson import data, metrics, models
 
 
 def parse_args():
@@ -28,9 +27,11 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
     p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms each step")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="a straggler on purpose")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sync-bn", action="store_true", help="not type=bool: bool('False') is True")
-    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     return p.parse_args()
 
 
@@ -51,27 +52,6 @@ def evaluate(model, test_set, rank, world_size, device):
     return (counts[0] / counts[1]).item(), int(counts[1].item())  # accuracy, samples counted
 
 
-def accumulate(model, opt, sched, batches, k, n, device):
-    """One epoch of n micro-batches, one optimizer step per window of k of them. Yields
-    (i, out, y, loss) of each window's last micro-batch, after its optimizer step."""
-    for i, (x, y) in enumerate(batches):
-        x, y = x.to(device), y.to(device)
-        window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
-        last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
-        # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
-        with contextlib.nullcontext() if last else model.no_sync():
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            (loss / window).backward()  # the mean over the window, as one big batch
-        if not last:
-            continue
-        # gradient clipping would go here: on the window's whole, all-reduced gradient
-        opt.step()  # one optimizer step per window (the all-reduce ran in the last backward)
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        yield i, out, y, loss
-
-
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
 def main():
     args = parse_args()
@@ -90,17 +70,12 @@ def main():
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
 
-    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
-    test_set = data.shapes_split(train=False)
+    train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
+    test_set = data.get(args.dataset, train=False, root=args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-    model = models.SmallCNN().to(device)
-    if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
-        if device.type == "cuda":  # PyTorch's SyncBatchNorm: statistics gathered over nccl
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:  # it refuses CPU tensors; the course's CPU version does the same sums over gloo
-            model = syncbn.convert_sync_batchnorm(model)
+    model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # course: times each step; its comm hook (a function DDP calls to all-reduce the
@@ -114,8 +89,15 @@ def main():
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         t0 = time.perf_counter()
-        batches = timer.timed(loader)  # timed: data_s
-        for i, out, y, loss in accumulate(model, opt, sched, batches, args.accum_steps, len(loader), device):
+        for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
+            x, y = x.to(device), y.to(device)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            if rank == args.slow_rank: time.sleep(args.slow_ms / 1000)  # a straggler on purpose
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # DDP: gradients are averaged over ranks during backward
+            opt.step()
+            sched.step()
             step += 1
             acc = (out.argmax(1) == y).float().mean()
             metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0],
@@ -135,7 +117,7 @@ def main():
         torch.save(model.module.state_dict(), ckpt)
     dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
-    plain = models.SmallCNN().to(device)
+    plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
     dist.destroy_process_group()  # DDP
 

@@ -1,11 +1,12 @@
-"""Notebook 04: ddp_basic.py + SyncBatchNorm (BatchNorm statistics over all ranks' batches).
+"""Notebook 05: ddp_syncbn.py + gradient accumulation with no_sync().
 
-    torchrun --standalone --nproc-per-node 2 ddp_syncbn.py --epochs 2 --batch-size 4 --sync-bn
+    torchrun --standalone --nproc-per-node 2 ddp_accum.py --epochs 2 --accum-steps 4
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
 own plumbing, not needed in your code: without the StepTimer line, DDP's built-in averaging
 runs instead, with the same result.
 """
 import argparse
+import contextlib
 import os
 import time
 
@@ -29,6 +30,9 @@ def parse_args():
     p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-bn", action="store_true", help="not type=bool: bool('False') is True")
+    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     return p.parse_args()
 
 
@@ -49,6 +53,27 @@ def evaluate(model, test_set, rank, world_size, device):
     return (counts[0] / counts[1]).item(), int(counts[1].item())  # accuracy, samples counted
 
 
+def accumulate(model, opt, sched, batches, k, n, device):
+    """One epoch of n micro-batches, one optimizer step per window of k of them. Yields
+    (i, out, y, loss) of each window's last micro-batch, after its optimizer step."""
+    for i, (x, y) in enumerate(batches):
+        x, y = x.to(device), y.to(device)
+        window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
+        last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
+        # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
+        with contextlib.nullcontext() if last else model.no_sync():
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            (loss / window).backward()  # the mean over the window, as one big batch
+        if not last:
+            continue
+        # gradient clipping would go here: on the window's whole, all-reduced gradient
+        opt.step()  # one optimizer step per window (the all-reduce ran in the last backward)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        yield i, out, y, loss
+
+
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
 def main():
     args = parse_args()
@@ -67,12 +92,12 @@ def main():
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
 
-    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
-    test_set = data.shapes_split(train=False)
+    train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
+    test_set = data.get(args.dataset, train=False, root=args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-    model = models.SmallCNN().to(device)
+    model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
         if device.type == "cuda":  # PyTorch's SyncBatchNorm: statistics gathered over nccl
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -91,14 +116,8 @@ def main():
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         t0 = time.perf_counter()
-        for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
-            x, y = x.to(device), y.to(device)
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()  # DDP: gradients are averaged over ranks during backward
-            opt.step()
-            sched.step()
+        batches = timer.timed(loader)  # timed: data_s
+        for i, out, y, loss in accumulate(model, opt, sched, batches, args.accum_steps, len(loader), device):
             step += 1
             acc = (out.argmax(1) == y).float().mean()
             metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0],
@@ -118,7 +137,7 @@ def main():
         torch.save(model.module.state_dict(), ckpt)
     dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
-    plain = models.SmallCNN().to(device)
+    plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
     dist.destroy_process_group()  # DDP
 
