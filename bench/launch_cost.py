@@ -7,7 +7,7 @@
    constructor import torch._dynamo as well);
 5. the course's launcher, cold (what 4 does, under the guards) and warm (agent and ranks
    forked from a warm process that has imported torch): the DDP step of 4, and the
-   reference training script, 1 epoch: CPU-s per launch, Run to the first metric row, the
+   reference training script (ddp_basic.py), 1 epoch: CPU-s per launch, Run to the first metric row, the
    whole run. Cold and warm alternate, so a burst of other load hits both alike.
 
 On a small CPU machine most of the test suite's time is this start-up, paid once per
@@ -88,7 +88,7 @@ def course_launch(script, nproc, args, cold, server):
 def course(repeat, nproc, tmp):
     """Section 5: cold vs warm through the course's launcher."""
     from ddp_lesson import launch
-    from ddp_lesson.lesson import SCRIPTS
+    from ddp_lesson.bundled import script
     os.chdir(tmp)
     server = launch.warm_up()
     t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def course(repeat, nproc, tmp):
     print(f"the warm process: up {up:.1f} s after warm_up(), "
           f"{cpu_of_process(server.pid):.2f} CPU-s of its own (paid once per launcher)")
     cases = {"DDP step": (str(Path(tmp) / "ddp.py"), []),
-             "reference script, 1 epoch": (str(SCRIPTS / "train_ddp.py"), ["--epochs", "1"])}
+             "reference script, 1 epoch": (str(script("ddp_basic.py")), ["--epochs", "1"])}
     seen = {(name, mode): [] for name in cases for mode in ("cold", "warm")}
     for _ in range(repeat):
         for name, (script, args) in cases.items():

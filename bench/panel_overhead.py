@@ -1,4 +1,4 @@
-"""What watching a run costs: the same small training run (train_ddp.py, 2 ranks) with
+"""What watching a run costs: the same small training run (ddp_basic.py, 2 ranks) with
 and without a RunPanel polling and redrawing, side by side in one process, in the order
 A B B A (twice) so that a drift in machine load hits both alike. Prints the throughput ratio
 (goal: within 5%) and the time to redraw a live plot of 10,000 points (goal: < 100 ms).
@@ -15,8 +15,8 @@ the panel can take away from the ranks.
 
 --timing: what the step-time fields cost (metrics.StepTimer: its comm hook, the timed
 loader, lap() and the four extra fields in each row; goal: within 2% of throughput). Whole
-runs cannot show 2% on a shared machine: single runs of train_ddp.py with one setting spread
-7,800-10,000 samples/s here. So one launch builds train_ddp.py's step three times (same
+runs cannot show 2% on a shared machine: single runs of ddp_basic.py with one setting spread
+7,800-10,000 samples/s here. So one launch builds ddp_basic.py's step three times (same
 SmallCNN, shapes data, batch 64, SGD, metrics.log each step): A and A2 without the timer, B
 with it, and takes them step by step in rotating order, so that a change in the machine's
 load hits all three alike. The copies are built afresh in each of 6 rounds, in a rotated
@@ -37,13 +37,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddp_lesson import devices, launch, metrics, monitor, plots, runs  # noqa: E402
+from ddp_lesson.bundled import script  # noqa: E402
 from ddp_lesson.widgets import DevicePicker, RunPanel  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent.parent / "ddp_lesson" / "scripts" / "train_ddp.py"
+SCRIPT = script("ddp_basic.py")
+BATCH = 64  # per rank, as in the figures measured before (the reference script's default is 32)
 
 
-def throughput(rows):
-    vals = [r["samples_per_s"] for r in rows if "samples_per_s" in r and r.get("rank") == 0]
+def throughput(rows, nproc):
+    """Samples/s over all ranks in each epoch (rank 0's steps x BATCH x ranks / epoch_s), averaged."""
+    vals = [sum(1 for s in rows if s.get("rank") == 0 and "loss" in s and s.get("epoch") == r["epoch"])
+            * BATCH * nproc / r["epoch_s"] for r in rows if "epoch_s" in r and r.get("rank") == 0]
     return statistics.mean(vals) if vals else float("nan")
 
 
@@ -66,7 +70,7 @@ ROUNDS = 6  # --timing: the steps are split over this many rounds, each with fre
 
 
 def timing_worker(steps, warmup=10):
-    """One rank of --timing: train_ddp.py's step, three copies, taken in turn."""
+    """One rank of --timing: ddp_basic.py's step, three copies, taken in turn."""
     import os
 
     import torch
@@ -105,7 +109,7 @@ def timing_worker(steps, warmup=10):
                 except StopIteration:
                     self.batches = None
 
-        def train_step(self):  # as in train_ddp.py
+        def train_step(self):  # as in ddp_basic.py
             t = time.perf_counter()
             x, y = self.next_batch()
             x, y = x.to(device), y.to(device)
@@ -146,7 +150,7 @@ def ratio_line(base, other, blocks=ROUNDS):
 
 
 def timing(steps, nproc=2, warmup=10):
-    print(f"step-time overhead: train_ddp.py's step on {nproc} rank(s), {steps} steps each of A and A2 "
+    print(f"step-time overhead: ddp_basic.py's step on {nproc} rank(s), {steps} steps each of A and A2 "
           f"(no timer) and B (StepTimer), taken in turn in one launch", flush=True)
     base = tempfile.mkdtemp(prefix="timing-bench-")
     try:
@@ -204,9 +208,9 @@ def main():
         return timing(opts.steps or (150 if opts.quick else 1500), opts.nproc, opts.warmup)
     epochs = opts.epochs or (1 if opts.quick else 2)
     order = "AB" if opts.quick else "ABBAABBA"
-    args = ["--epochs", str(epochs)]
+    args = ["--epochs", str(epochs), "--batch-size", str(BATCH)]
     base = tempfile.mkdtemp(prefix="panel-bench-")
-    print(f"panel overhead: train_ddp.py --epochs {epochs} on {opts.nproc} CPU rank(s), order {' '.join(order)}"
+    print(f"panel overhead: ddp_basic.py --epochs {epochs} on {opts.nproc} CPU rank(s), order {' '.join(order)}"
           f" (A without panel, B with)", flush=True)
     runners = {"A": lambda: plain_run(args, base, opts.nproc), "B": lambda: panel_run(args, base, opts.nproc)}
     got = {"A": [], "B": []}
@@ -218,7 +222,7 @@ def main():
             if result["status"] != "ok":
                 print(f"  run {which} ended {result['status']}: {result.get('message', '')}")
                 return 1
-            tp = throughput(rows)
+            tp = throughput(rows, opts.nproc)
             extra = f", {panel.frames} frames, last {panel.frame_s * 1000:.0f} ms" if panel else ""
             print(f"  {which}: {tp:7.0f} samples/s, {result['duration_s']:5.1f} s wall, "
                   f"watcher CPU {cpu:.1%} of one core{extra}", flush=True)

@@ -6,11 +6,10 @@ Exit status of run/demo: 0 all ranks succeeded; 1 the run failed or timed out;
 import argparse
 import signal
 import sys
-from pathlib import Path
 
 from . import BadInput, checks, devices, failures, launch, monitor
+from .bundled import script
 
-SCRIPTS = Path(__file__).parent / "scripts"
 EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
 
 
@@ -45,7 +44,7 @@ def build_parser():
     run.add_argument("--node-rank", default=0, help="this node's rank among the nodes")
     run.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, for several nodes")
     run.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
-    demo = sub.add_parser("demo", help="train the reference DDP script on the built-in data")
+    demo = sub.add_parser("demo", help="train the reference DDP script (notebook 03's ddp_basic.py) on the built-in data")
     _device_args(demo)
     demo.add_argument("--epochs", default="3", help="epochs (default 3)")
     sub.add_parser("doctor", help="check this machine before a workshop")
@@ -116,18 +115,21 @@ def cmd_run(a, script_args):
 
 def cmd_demo(a):
     epochs = checks.number("--epochs", a.epochs, 1)
-    run = launch.start(SCRIPTS / "train_ddp.py", nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
-                       args=["--epochs", str(epochs)], run_dir=a.run_dir, label="demo", cold=a.cold)
+    # notebook 03's script, the course's one reference loop; batch 64: half the steps of its default
+    run = launch.start(script("ddp_basic.py"), nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
+                       args=["--epochs", str(epochs), "--batch-size", "64"], run_dir=a.run_dir, label="demo",
+                       cold=a.cold)
     what = devices.describe(run.config["nproc"], run.config["devices"], run.config["backend"])
     print(f"demo: {what}, {epochs} epoch(s); "
           f"run directory {run.run_dir}", flush=True)
     code = supervise(run)
     if code == 0:
         from .runs import load
-        s = load(run.run_dir).summary()
+        rec = load(run.run_dir)
+        s = rec.summary()
         acc = s["final_accuracy"]
         print(f"summary: test accuracy {acc:.1%} (chance is 10%), final loss {s['final_loss']:.3f}, "
-              f"{s['samples_per_s'] or 0:.0f} samples/s over all ranks" if acc is not None
+              f"{rec.last('epoch_s') or 0:.1f} s per epoch" if acc is not None
               else "summary: no metrics were written")
     return code
 

@@ -75,5 +75,4 @@ def get(name="shapes", train=True, root="data", download=False):
     raise ValueError(f"unknown dataset {name!r}: use 'shapes' or 'cifar10'")
 
 
-def num_channels_and_size(name):
-    return (3, SIZE) if name == "shapes" else (3, 32)
+IMAGE_SIZE = {"shapes": SIZE, "cifar10": 32}  # height = width, for models.SmallCNN(image_size=...)

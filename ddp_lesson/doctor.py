@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 
 from . import devices, launch, procs, rundir
+from .bundled import script
 from .rundir import read_json, write_json
 
-SCRIPTS = Path(__file__).parent / "scripts"
 # The oldest torch the whole test suite passed on (requirements.txt and pyproject.toml say the
 # same). Older releases lack what lessons use: DDP(forward_sync_buffers=...) in 03b and 04,
 # FSDP2's fully_shard and torch.distributed.checkpoint's APIs in 10.
@@ -133,7 +133,7 @@ def check_allreduce(out, timeout=120):
     gpus = devices.list_gpus()
     kwargs = {"nproc": min(2, len(gpus))} if gpus else {"nproc": 2, "cpu": True}
     with tempfile.TemporaryDirectory(prefix="ddp-lesson-doctor-") as tmp:
-        run = launch.start(SCRIPTS / "allreduce_check.py", run_dir=Path(tmp) / "run",
+        run = launch.start(script("allreduce_check.py"), run_dir=Path(tmp) / "run",
                            timeout=timeout, label="doctor", **kwargs)
         result = run.wait()
         if result["status"] == "ok":

@@ -1,19 +1,21 @@
-"""Checkers of the exercises in 03-05, 09, 10 and 11 that launch a script or call the learner's code.
+"""Every exercise's checker, and the one verdict they print: "correct!" or "not yet:".
 
-    run_dir = exercises.attempt("work/ex_set_epoch.py", exercises.check_set_epoch)
+    run_dir, passed = exercises.attempt("work/ex_set_epoch.py", exercises.check_set_epoch)
+    passed = exercises.grade(exercises.check_cuda_index, cuda_index)     # a function you wrote
 
-Each check_* reads a finished run directory (config.json and the ranks' metrics; check_no_sync
-also the learner's prediction) and raises
-AssertionError with one sentence saying what is wrong, or returns a line saying what it saw.
-Expectations come from the run's own world size. Also the checkers of 09's bucketed hook
-(check_bucketed, on ddp_scratch.check_stage's result) and of 10's fp16 step
-(check_train_step, check_too_small_by, one process, no launch).
+A check_* raises AssertionError with one sentence saying what is wrong, or returns True or a
+line saying what it saw. Launched exercises (03-05, 11): the checker reads a finished run
+directory (config.json and the ranks' metrics; check_no_sync also the learner's prediction);
+expectations come from the run's own world size. Pure-function exercises (00-04, 06-08, 10):
+the checker calls the learner's function on cases, in this process. Also the checkers of 09's
+bucketed hook (check_bucketed, on ddp_scratch.check_stage's result; it returns (ok, why)).
 """
 import re
 from collections import defaultdict
 from pathlib import Path
 
 from . import launch, runs
+from .bundled import script
 
 
 def attempt(script, check, nproc=None, timeout=300):
@@ -21,12 +23,20 @@ def attempt(script, check, nproc=None, timeout=300):
     verdict. Returns (run_dir, passed)."""
     run = launch.start(script, nproc=nproc, cpu=True, timeout=timeout)
     run.wait()
+    return run.run_dir, grade(check, run.run_dir)
+
+
+def grade(check, *answer):
+    """Print the verdict of check(*answer) and return whether it passed: "correct!" (and the
+    line check returned, if any), or "not yet:" and the sentence of its AssertionError. A
+    TypeError counts as "not yet" too: an answer of the wrong kind, such as the starter's None."""
     try:
-        print("correct!", check(run.run_dir))
-        return run.run_dir, True
-    except AssertionError as e:
+        said = check(*answer)
+    except (AssertionError, TypeError) as e:
         print("not yet:", e)
-        return run.run_dir, False
+        return False
+    print("correct!", *([said] if isinstance(said, str) else []))
+    return True
 
 
 def _finished(run_dir):
@@ -130,6 +140,152 @@ def check_no_sync(run_dir, predicted):
     return f"all {len(measured)} placements as the run measured them on {len(ranks)} rank(s)"
 
 
+# -- pure-function exercises of 00-08: the learner's function on cases, no launch --------------
+def check_cuda_index(fn):
+    """00: fn(physical, cuda_visible_devices) is the cuda:N index of a physical GPU under that
+    CUDA_VISIBLE_DEVICES, as torch reads it, or raises ValueError where the GPU is hidden."""
+    cases = [(2, "2,3", 0), (3, "2,3", 1), (3, "3,2", 0), (0, "0", 0), (6, "1, 4,6", 2), (4, "1, 4,6", 1),
+             (0, "7,0", 1), (0, "0,9,1", 0), (2, "2gpu,3", 0), (3, "2gpu,3", 1)]
+    for physical, visible, want in cases:
+        try:
+            got = fn(physical, visible)
+        except ValueError as e:
+            got = f"ValueError({e})"
+        assert got == want, f"GPU {physical} with CUDA_VISIBLE_DEVICES={visible!r} is cuda:{want}, you said {got}"
+    for physical, visible in [(0, "2,3"), (1, ""), (1, "0,9,1"), (1, "0,-1,1"), (1, "1,1"), (2, "2,3,2")]:
+        try:
+            fn(physical, visible)
+        except ValueError:
+            continue
+        raise AssertionError(f"GPU {physical} is not visible with CUDA_VISIBLE_DEVICES={visible!r}: expected ValueError")
+    return True
+
+
+def check_dp_chunk_sizes(fn):
+    """01: fn(batch, n_devices) is the list of chunk sizes DataParallel's scatter makes."""
+    import torch
+    for batch in range(1, 40):
+        for n in range(1, 9):
+            want = [len(c) for c in torch.empty(batch).chunk(n)]
+            got = fn(batch, n)
+            assert got is not None and list(got) == want, \
+                f"batch {batch} on {n} devices: DP makes {want}, you said {got}"
+    return True
+
+
+def check_weights(fn):
+    """02: fn(batch, n_devices) is each sample's weight in DataParallel's mean of per-device
+    means, as autograd finds it."""
+    import torch
+    torch.manual_seed(0)
+    for batch in range(1, 25):
+        for n in range(1, 9):
+            losses = torch.rand(batch, dtype=torch.float64, requires_grad=True)
+            torch.stack([c.mean() for c in losses.chunk(n)]).mean().backward()   # DP's split, mean of means
+            want = [round(w, 4) for w in losses.grad.tolist()]
+            got = fn(batch, n)
+            assert got is not None and len(got) == batch, \
+                f"batch {batch} on {n} devices: want one weight per sample, {want}; you said {got}"
+            assert torch.allclose(torch.as_tensor(got, dtype=torch.float64), losses.grad), \
+                f"batch {batch} on {n} devices: the weights are {want}; you said {got}"
+    return True
+
+
+def check_scaled(fn):
+    """03b: fn(per_device_batch, world_size, base_batch, base_lr) -> (global batch, lr by the
+    linear scaling rule)."""
+    cases = [((32, 1, 32, 0.1), 32, 0.1), ((32, 8, 256, 0.1), 256, 0.1), ((64, 4, 32, 0.05), 256, 0.4),
+             ((48, 1, 32, 0.1), 48, 0.15), ((16, 2, 64, 0.1), 32, 0.05)]   # k = 1.5, k = 0.5
+    for args, want_batch, want_lr in cases:
+        global_batch, lr = fn(*args)
+        assert global_batch == want_batch, f"scaled{args}: {global_batch} is not this job's global batch"
+        assert abs(lr - want_lr) < 1e-12, f"scaled{args}: with lr {lr:g} an epoch does not go as far as the recipe's"
+    return True
+
+
+def check_merge(fn):
+    """04: fn([(n_r, mean_r, var_r), ...]) -> (mean, var) of the concatenated batch, also for
+    data far from 0 next to its spread (around 1e8)."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    for offset in (0.0, 1e8):                 # data around 0, and far from 0 next to its spread
+        chunks = [torch.randn(n, generator=g, dtype=torch.float64) * s + m + offset
+                  for n, s, m in ((4, 1.0, 0.0), (4, 2.0, 3.0), (7, 0.5, -1.0))]
+        parts = [(len(c), c.mean().item(), c.var(unbiased=False).item()) for c in chunks]
+        whole = torch.cat(chunks)             # the concatenated batch
+        mean, var = fn(parts)
+        want_mean, want_var = whole.mean().item(), whole.var(unbiased=False).item()
+        assert abs(mean - want_mean) <= 1e-9 * max(1.0, abs(want_mean)), \
+            f"data around {offset:g}: the mean is off by {mean - want_mean:.3g}"
+        assert abs(var - want_var) < 1e-6 * want_var, \
+            f"data around {offset:g}: the variance is off by {var - want_var:.3g} (of {want_var:.3g})"
+    return True
+
+
+def check_predict(fn):
+    """06: fn(n, compute_s, grad_bytes, alpha, beta) is the alpha-beta model's speed-up of n
+    ranks (a ring all-reduce of the gradients after the compute), within 1e-6."""
+    cases = [  # (n, compute_s, grad_bytes, alpha, beta) -> expected
+        ((1, 0.1, 100e6, 1e-5, 10e9), 1.0),
+        ((2, 0.1, 100e6, 1e-5, 10e9), 2 * 0.1 / (0.1 + 2 * 1e-5 + 1.0 * 100e6 / 10e9)),
+        ((8, 0.1, 100e6, 1e-5, 10e9), 8 * 0.1 / (0.1 + 14 * 1e-5 + 1.75 * 100e6 / 10e9)),
+        ((8, 0.002, 1e6, 5e-4, 0.5e9), 8 * 0.002 / (0.002 + 14 * 5e-4 + 1.75 * 1e6 / 0.5e9)),
+    ]
+    for args, want in cases:
+        got = fn(*args)
+        assert abs(got - want) <= 1e-6 * want, f"predict{args}: the model gives {want:.4g}, you said {got}"
+    return True
+
+
+def check_first_failure(fn, crashed, hung):
+    """07: fn(result) is (rank, first line of its message) of a failed run's root cause, from
+    its result.json (`crashed`), and None for a run that did not fail with one (`hung`)."""
+    got = fn(crashed)
+    assert got is not None and got[0] == crashed["failure"]["rank"], \
+        f"got {got!r}: the root cause is rank {crashed['failure']['rank']}'s failure"
+    assert crashed["failure"]["message"].splitlines()[0] in got[1] and "\n" not in got[1], \
+        f"got {got!r}: the message's first line, one line"
+    assert fn(hung) is None, f"for a run that ended {hung.get('status')} it said {fn(hung)!r}, not None"
+    return True
+
+
+def check_parser(make):
+    """07: make() is an ArgumentParser whose --sync-bn is off by default, on with --sync-bn and
+    off with --no-sync-bn (not type=bool: bool("False") is True)."""
+    p = make()
+    assert p is not None, "make_parser() returned None: return the ArgumentParser"
+    for argv, want in (([], False), (["--sync-bn"], True), (["--no-sync-bn"], False)):
+        try:
+            got = p.parse_args(argv).sync_bn
+        except SystemExit:
+            raise AssertionError(f"the parser refuses {argv}") from None
+        assert got is want, f"{argv}: sync_bn is {got!r}, not {want}"
+    return True
+
+
+def check_ranks(global_rank, device_for):
+    """08: global_rank(node_rank, local_rank, procs_per_node) and device_for(env) on every rank
+    of 3 nodes x 4 processes, against multinode.expected_table."""
+    from . import multinode
+    for r in multinode.expected_table(nodes=3, procs_per_node=4):
+        got = global_rank(r["NODE_RANK"], r["LOCAL_RANK"], 4)
+        assert got == r["RANK"], f"node {r['NODE_RANK']}, local rank {r['LOCAL_RANK']}: rank {r['RANK']}, you said {got}"
+        env = {"RANK": str(r["RANK"]), "LOCAL_RANK": str(r["LOCAL_RANK"]), "WORLD_SIZE": "12"}
+        got = device_for(env)
+        assert got == f"cuda:{r['LOCAL_RANK']}", f"{env}: cuda:{r['LOCAL_RANK']}, you said {got!r}"
+    return True
+
+
+def check_job(text):
+    """08: the sbatch script `text` asks for 4 nodes of 8 GPUs on partition gpu, InfiniBand
+    (ib0), the rendezvous on port 29400, for train_ddp.py --epochs 10."""
+    want = ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+            "export NCCL_SOCKET_IFNAME=ib0", "head_port=29400", "--nproc-per-node 8", "train_ddp.py --epochs 10"]
+    missing = [w for w in want if w not in text]
+    assert not missing, f"missing: {missing}"
+    return True
+
+
 # -- lesson 09: the bucketed hook ---------------------------------------------------------
 _BUCKETED_HOOK = '''    def hook(self, p):
         i, offset = self.where[p]
@@ -162,8 +318,7 @@ def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=Fa
     (the hook's all-reduce is async_op=False), waiting=True (async_op=True, then .wait() in
     the hook): either way backward stalls on the network; late=True (async, but every
     bucket held back until the whole model's last gradient: stage (b)'s timing, no overlap)."""
-    from .lesson import SCRIPTS
-    text = Path(starter or SCRIPTS / "bucketed_exercise.py").read_text()
+    text = Path(starter or script("bucketed_exercise.py")).read_text()
     head = text[:text.index("    def hook(self, p):")]
     launch, wait = "self.works[i] = dist.all_reduce(self.flat[i], async_op=True)", "self.works[i].wait()"
     if blocking:

@@ -1,6 +1,6 @@
 """Small helpers the notebooks share, so no notebook pastes its own copy.
 
-    from ddp_lesson.lesson import SCRIPTS, check, verdict, show_diff, show, work_dir
+    from ddp_lesson.lesson import script, check, verdict, show_diff, show, work_dir
 
     work_dir()                                  # ./work: where the scripts you edit live
     run = check("ddp_equivalence")              # a check script on CPU ranks, returns at once
@@ -11,14 +11,13 @@
     ring = load_script("work/ring_allreduce.py")  # a module you edit, loaded afresh
 """
 import difflib
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 from . import chain, launch
+from .bundled import load as load_script, script  # noqa: F401 (the notebooks import them from here)
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"   # reference scripts and check scripts
 
 
 def work_dir(path="work"):
@@ -29,10 +28,10 @@ def work_dir(path="work"):
 
 
 def check(name, *args, nproc=None, timeout=600):
-    """Start the check script scripts/<name>.py on CPU ranks (gloo); returns the launch.Run
+    """Start the check script checks/<name>.py on CPU ranks (gloo); returns the launch.Run
     at once. nproc=None: the default CPU rank count (DDP_LESSON_NPROC, else 2; 1 when only one
     core is usable)."""
-    return launch.start(SCRIPTS / f"{name}.py", nproc=nproc, cpu=True, args=args, timeout=timeout)
+    return launch.start(script(f"{name}.py"), nproc=nproc, cpu=True, args=args, timeout=timeout)
 
 
 def verdict(run, filename):
@@ -75,8 +74,8 @@ def written(run, filename, poll=0.2):
 
 
 def script_diff(old, new, context=1):
-    """Unified diff lines from the reference script `old` (a name in SCRIPTS) to the file `new`."""
-    a = (SCRIPTS / old).read_text().splitlines()
+    """Unified diff lines from the reference script `old` (a shipped script's name, bundled.script) to the file `new`."""
+    a = script(old).read_text().splitlines()
     b = Path(new).read_text().splitlines()
     return list(difflib.unified_diff(a, b, old, str(new), lineterm="", n=context))
 
@@ -96,13 +95,3 @@ def show(fig):
     pyplot = sys.modules.get("matplotlib.pyplot")   # a figure from pyplot is also in its list
     if pyplot is not None:
         pyplot.close(fig)
-
-
-def load_script(path):
-    """Import the Python file `path` as a module, afresh on every call (so edits to a
-    work/ file count), without touching sys.path."""
-    path = Path(path)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

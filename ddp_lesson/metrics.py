@@ -75,15 +75,39 @@ def log_process(step=0, **values):
     """One row about this rank's process, for 00's process-tree picture: its pid, its parent's
     (the torchrun agent), its local rank, the world size, the ranks' store and the ports the
     agent listens on (the rendezvous store and, by default, the ranks' store too)."""
-    import psutil
-    agent = psutil.Process(os.getppid())
-    try:
-        ports = sorted({c.laddr.port for c in agent.net_connections("tcp") if c.status == psutil.CONN_LISTEN})
-    except psutil.Error:
-        ports = []
-    log(step, pid=os.getpid(), parent=agent.pid, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    agent = os.getppid()
+    log(step, pid=os.getpid(), parent=agent, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", agent_ports=ports, **values)
+        store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+        agent_ports=listening_ports(agent), **values)
+
+
+def listening_ports(pid):
+    """The TCP ports process `pid` listens on, read from /proc (a rank imports no psutil):
+    the sockets it holds open (/proc/PID/fd) among the listening ones (/proc/net/tcp, tcp6)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:   # closed since it was listed
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:   # local_address is HEX_IP:HEX_PORT, st 0A is LISTEN, then the inode
+            if len(row) > 9 and row[3] == "0A" and row[9] in inodes:
+                ports.add(int(row[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
 
 
 _statm = (None, None)  # (pid, descriptor): "self" was resolved when it was opened

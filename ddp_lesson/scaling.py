@@ -19,11 +19,11 @@ On CPU each rank is given one thread (one rank = one core, like one GPU), so 4 r
 cores are oversubscribed: compute(n) grows, and the model sees it because it is measured.
 """
 import sys
-from pathlib import Path
 
 from . import devices, launch, runs
+from .bundled import script
 
-WORKER = Path(__file__).resolve().parent / "scripts" / "scaling_worker.py"
+WORKER = script("scaling_worker.py")
 
 # The blog posts' measurements (named in notebook 00). WZ (ResNet-34, flower_photos, batch 16, Tesla V100): s/epoch on
 # 1, 2, 4, 8 GPUs. The 3090 post: roberta-large, 1029 s on one card, 707 s on two.

@@ -31,7 +31,7 @@ from pathlib import Path
 import ipywidgets as W
 from IPython.display import Image, display, update_display
 
-from . import BadInput, devices, launch, monitor, plots, runs
+from . import BadInput, devices, monitor, plots
 
 STATUS_COLORS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e",
                  "interrupted": "#9a6700", "timeout": "#cf222e", "bad input": "#cf222e",
@@ -71,6 +71,12 @@ class DevicePicker:
             self.use_cpu.observe(self._toggle_cpu, "value")
             children = [W.HTML("<b>GPUs</b> (one process each, <b>nccl</b>)"), *self.boxes,
                         self.use_cpu, self.cpu_row]
+            if len(self.gpus) == 1:
+                # One GPU is one rank: nothing to compare across ranks. Start on CPU processes.
+                self.use_cpu.value = True
+                children.append(W.HTML(
+                    f"One GPU: {self.nproc.value} CPU processes by default, so you see "
+                    f"{self.nproc.value} ranks; untick to train on the GPU."))
         else:
             self.boxes, self.use_cpu = [], None
             children = [W.HBox([self.nproc, cpu_note])]
@@ -155,15 +161,13 @@ def apply_overrides(inputs, defaults, overrides):
             raise BadInput(f"Option {name} takes a value like {defaults[name]!r}, got {value!r}.")
 
 
-def next_run_dir(base_run_dir, runs_base, earlier, stem):
-    """The run directory of a panel's next run: `base_run_dir`, then base-2, base-3, ...;
-    else a new one under `runs_base`; else None (the launcher's default)."""
-    if base_run_dir:
-        base = Path(base_run_dir)
-        return base if not earlier else base.with_name(f"{base.name}-{len(earlier) + 1}")
-    if runs_base:
-        return runs.new_run_dir(base=runs_base, name=stem)
-    return None
+def status_markup(state, text):
+    return (f"<span style='color:{STATUS_COLORS.get(state, 'black')}'><b>{html.escape(state)}</b></span> "
+            f"{html.escape(text)}")
+
+
+def log_markup(text):
+    return f"<pre style='max-height:16em;overflow:auto;font-size:85%;margin:0'>{html.escape(text)}</pre>" if text else ""
 
 
 class LiveFrame:
@@ -205,22 +209,19 @@ class LiveFrame:
 
 class RunPanel:
     """Run / Stop, options, device picker, status, log tail, live plot and step-time bars for
-    one training script: a view over a monitor.Monitor of its latest run."""
+    one training script: a view of a monitor.Session (its runs) and of the Monitor of the
+    latest one. What to show comes from there; the panel draws it."""
 
     def __init__(self, script, options=None, picker=None, metrics=("loss", "test_accuracy"),
                  x="step", label=None, run_dir=None, runs_base=None, timeout=None,
                  extra_args=()):
-        self.script, self.options = Path(script), dict(options or {})
+        self.session = monitor.Session(script, label=label, run_dir=run_dir, runs_base=runs_base,
+                                       timeout=timeout, extra_args=extra_args)
+        self.script, self.options = self.session.script, dict(options or {})
         self.picker = picker if picker is not None else DevicePicker()
-        self.label, self.timeout, self.extra_args = label, timeout, [str(a) for a in extra_args]
-        self.base_run_dir, self.runs_base = run_dir, runs_base
-        # runs: run directories launched here, oldest first; error: the last bad input's sentence
-        self.last_run, self.runs, self.error = None, [], None
-        # (run, settings) of a run the Run button started and no cell has checked yet
-        self._unchecked_click = None
         self.plot = LiveFrame(metrics, x=x)
         self.last_update = None   # the monitor.Update shown last: what the views drew
-        self.status, self.status_text, self.log_text, self._monitor, self._waiting = "idle", "", "", None, False
+        self.status, self.status_text, self.log_text, self._waiting = "idle", "", "", False
         self._lock = threading.RLock()   # one poll (and draw) at a time: thread or wait()
         self.inputs = {name: _option_widget(name, value) for name, value in self.options.items()}
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
@@ -238,6 +239,9 @@ class RunPanel:
     frames = property(lambda self: self.plot.clock.frames, doc="plot frames drawn so far")
     frame_s = property(lambda self: self.plot.clock.frame_s, doc="seconds the last frame took")
     png = property(lambda self: self.plot.png, doc="the last frame")
+    last_run = property(lambda self: self.session.last_run)
+    runs = property(lambda self: self.session.runs, doc="run directories launched here, oldest first")
+    error = property(lambda self: self.session.error, doc="the last bad input's sentence")
     result = property(lambda self: self.last_run.result if self.last_run else None)
     run_dir = property(lambda self: self.last_run.run_dir if self.last_run else None)
 
@@ -250,103 +254,62 @@ class RunPanel:
         self.plot.show()
 
     def run(self, **overrides):
-        """Start a run with the options in the widgets, changed by `overrides`
-        (batch_size=... also sets "batch-size"). Returns the launch.Run at once, or None
-        when the input was bad: then the status line says why and nothing started.
-
-        After a click on Run that no cell has checked yet (a learner pressed Run, then ran
-        the cell that calls run() and wait() too): with the same settings (script, options
-        after `overrides`, devices) that run is returned, and no second one starts; with other
-        settings (the cell's overrides, or a widget changed after the click) this waits for it
-        to end, then starts its own. While a run that no click started is still going, this
-        raises BadInput (it may never end). After bad input wait() raises too, so a cell
-        never checks an earlier run in place of its own."""
-        clicked, self._unchecked_click = self._unchecked_click, None
-        if clicked is not None and clicked[0] is self.last_run:
-            run, settings = clicked
+        """Start a run with the options in the widgets, changed by `overrides` (batch_size=...
+        also sets "batch-size"). Returns the launch.Run at once, or None when the input was
+        bad: the status line says why, nothing started, and wait() raises. After a click on
+        Run, monitor.Session.for_cell says whether this cell checks that run."""
+        def apply():   # the overrides into the widgets; False (the status says why) if bad
             try:
-                apply_overrides(self.inputs, self.options, overrides)
+                return apply_overrides(self.inputs, self.options, overrides) or True
             except BadInput as e:
                 return self._bad_input(e)
-            stopped = run.done() and run.result["status"] == "interrupted"
-            if self._settings() == settings and not stopped:
-                return run
-            if not run.done():
-                print("The run started with the Run button has other settings than this cell's: "
-                      "waiting for it to end, then starting the cell's own.", flush=True)
-                self.wait()
-        elif self.last_run is not None and not self.last_run.done():
-            raise BadInput("A run started earlier is still going: wait for it (panel.wait()) "
-                           "or press Stop, then run this cell again.")
-        return self._start(**overrides)
+        clicked = self.session.for_cell(apply, self._settings, self.wait)
+        return self._start(**overrides) if clicked is None else clicked or None
 
     def _click(self):
-        settings = self._settings()
-        run = self._start()
+        settings, run = self._settings(), self._start()   # the settings as clicked, then the run
         if run is not None:   # a click refused while a run is going keeps the earlier record
-            self._unchecked_click = (run, settings)
+            self.session.clicked(run, settings)
 
     def _settings(self):
-        """What makes two runs of this panel the same: the script's text, its arguments, the devices."""
-        try:
-            text = self.script.read_bytes()
-        except OSError:
-            text = None
-        return text, option_args(self.values()) + self.extra_args, self.picker.selection()
+        return self.session.settings(option_args(self.values()), self.picker.selection())
 
     def _bad_input(self, e):
-        self.error = str(e)
+        self.session.error = str(e)
         self._set_status("bad input", f"Not started: {e}")
-        return None
 
     def _start(self, **overrides):
         with self._lock:
-            if self.last_run is not None and not self.last_run.done():
+            if self.session.going():
                 self._set_status("running", "A run is already going; press Stop first. "
                                  + monitor.running_text(self.last_run))
                 return None
             try:
                 apply_overrides(self.inputs, self.options, overrides)
-                run_dir = next_run_dir(self.base_run_dir, self.runs_base, self.runs, self.label or self.script.stem)
-                run = launch.start(self.script, args=option_args(self.values()) + self.extra_args,
-                                   run_dir=run_dir, timeout=self.timeout, label=self.label,
-                                   **self.picker.selection())
+                run = self.session.start(option_args(self.values()), self.picker.selection())
             except BadInput as e:
                 return self._bad_input(e)
-            self.error, self.last_run = None, run
-            self.runs.append(run.run_dir)
-            self._monitor = monitor.Monitor(run)
             self.last_update = None
             self.plot.reset(t0=run.config.get("start_unix"))
             self._set_busy(True)
             self._set_status("running", monitor.running_text(run))
             self._set_log("")
-            threading.Thread(target=self._watch, args=(run,), daemon=True, name="ddp-lesson-panel").start()
+            threading.Thread(target=self.session.watch, daemon=True, name="ddp-lesson-panel",  # after a click
+                             args=(run, lambda: self._update(run), lambda: self._waiting,      # nobody waits
+                                   lambda e: self._set_log(f"(panel could not update: {e!r})"))).start()
             return run
 
     def wait(self, timeout=None):
         """Block until the run ends, updating the panel from this thread; the result (None
         if still running after `timeout` s). An interrupt stops the run, then propagates."""
-        run = self.last_run
-        if run is None or self.error is not None:   # bad input: not the earlier run's result
-            raise BadInput(self.error or "Nothing to wait for: press Run or call panel.run() first.")
+        run = self.session.to_wait()   # BadInput after bad input: not the earlier run's result
         if self.plot.display_id is None and _in_kernel():
             display(self)  # headless `panel.run(); panel.wait()`: show it where it runs
-        end = None if timeout is None else time.monotonic() + timeout
         self._waiting = True
         try:
-            while not self._update(run):
-                if end is not None and time.monotonic() >= end:
-                    return None
-                run.wait_done(monitor.POLL_S)
-        except KeyboardInterrupt:
-            self.stop()
-            raise
+            return self.session.follow(run, lambda: self._update(run), self.stop, timeout)
         finally:
             self._waiting = False
-        if self._unchecked_click is not None and self._unchecked_click[0] is run:
-            self._unchecked_click = None   # waited on: a later run() starts afresh
-        return run.result
 
     def stop(self):
         """End every process of the run (what Stop does); returns the result."""
@@ -359,27 +322,16 @@ class RunPanel:
         self._update(run)
         return run.result
 
-    def _watch(self, run):
-        """After a click nobody waits: poll from this thread unless wait() is doing it."""
-        ended = False
-        while not ended:
-            ended = run.wait_done(monitor.POLL_S)
-            if not self._waiting:
-                try:
-                    ended = self._update(run)
-                except Exception as e:  # keep watching; say what went wrong
-                    self._set_log(f"(panel could not update: {e!r})")
-
     def _update(self, run):
-        """One poll of the monitor shown in the widgets and the plot; True once ended."""
+        """Draw one poll of the session's monitor; True once the run ended."""
         with self._lock:
             if run is not self.last_run:
                 return True
-            u = self._monitor.poll()
+            u = self.session.monitor.poll()
             try:
                 self._set_log(u.log)
                 self.resources_html.value = html.escape(u.resources)  # who is slow, memory, GPU use
-                self.plot.update(u.rows, monitor.title(run), final=u.ended, times=u.times)
+                self.plot.update(u.rows, u.title, final=u.ended, times=u.times)
                 self.last_update = u
             finally:  # whatever the plot did, the buttons and status must be right
                 self._set_status(u.state, u.text)
@@ -390,14 +342,12 @@ class RunPanel:
     def _set_status(self, state, text):
         if (state, text) != (self.status, self.status_text):  # an unchanged value costs a message
             self.status, self.status_text = state, text
-            self.status_html.value = (f"<span style='color:{STATUS_COLORS.get(state, 'black')}'>"
-                                      f"<b>{html.escape(state)}</b></span> {html.escape(text)}")
+            self.status_html.value = status_markup(state, text)
 
     def _set_log(self, text):
         if text != self.log_text:
             self.log_text = text
-            self.log_html.value = (f"<pre style='max-height:16em;overflow:auto;font-size:85%;"
-                                   f"margin:0'>{html.escape(text)}</pre>" if text else "")
+            self.log_html.value = log_markup(text)
 
     def _set_busy(self, busy):
         self.stop_button.disabled = not busy

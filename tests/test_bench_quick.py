@@ -52,7 +52,7 @@ def test_quick(bench, tmp_path):
 
 
 def test_step_timer_overhead_quick(tmp_path):
-    """--timing: three copies of train_ddp.py's step in one launch; both ratios printed.
+    """--timing: three copies of ddp_basic.py's step in one launch; both ratios printed.
     One rank: the bench's every line runs; StepTimer's hook at 3 ranks is test_timing's."""
     # 18 steps (3 a round) after 2 warm-up turns a round: enough to see real step times, not
     # to measure the 2% goal (the bench does that, 1500 steps after 10 warm-up turns)

@@ -54,7 +54,8 @@ SETUP_CELL = """\
 import pathlib, shutil
 import ddp_lesson
 pathlib.Path("work").mkdir(exist_ok=True)
-_ = shutil.copy(pathlib.Path(ddp_lesson.__file__).parent / "scripts" / "train_ddp.py", "work/train.py")
+from ddp_lesson.bundled import script
+_ = shutil.copy(script("ddp_basic.py"), "work/train.py")
 """
 PANEL_CELL = """\
 from ddp_lesson.widgets import RunPanel, DevicePicker

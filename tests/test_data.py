@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from ddp_lesson import data, launch, models, runs
+from ddp_lesson.bundled import script
 
-SCRIPT = Path(data.__file__).parent / "scripts" / "train_ddp.py"
+SCRIPT = script("ddp_basic.py")
 
 
 def test_shapes_is_deterministic_and_balanced():
@@ -114,9 +115,9 @@ def test_reference_script_trains_on_cifar10_fixture(tmp_path):
         f"for k, v in {fixture_md5s(tmp_path / 'data')!r}.items():\n"
         "    setattr(torchvision.datasets.CIFAR10, k, v)\n")
     run = launch.start(SCRIPT, nproc=2, cpu=True, run_dir=tmp_path / "run",
-                       env={"PYTHONPATH": f"{site}:{SCRIPT.parents[2]}"},
+                       env={"PYTHONPATH": f"{site}:{Path(data.__file__).parents[1]}"},
                        args=["--epochs", "1", "--dataset", "cifar10", "--data-root", str(tmp_path / "data"),
-                             "--batch-size", "8"])
+                             "--batch-size", "8", "--train-samples", "80"])
     try:   # generous: at load ~17 on 2 cores this 2-rank run took over 100 s
         result = run.wait(timeout=240)
     finally:

@@ -11,7 +11,7 @@ import torch
 from matplotlib.colors import to_hex
 
 from ddp_lesson import diagrams
-from ddp_lesson.diagrams import batches
+from ddp_lesson.diagrams import batches, shapes
 from ddp_lesson.diagrams.shapes import DEVICE_COLOURS
 
 AR_RED, NO_SYNC_GREY = "#c44e52", "#808080"
@@ -229,25 +229,46 @@ DRAWING_BUGS = {   # name -> (text in batches.py, its wrong replacement)
     "windows: every cell at x = 0": ('x = row["micro_batch"] - 1', "x = 0"),
     "windows: every rank on one row": ("y = ranks - 1 - rank", "y = 0"),
     "windows: every band at x = 0": ("Rectangle((start - 0.05,", "Rectangle((-0.05,"),
-    "windows: rank labels reversed": ('[f"rank {r}" for r in range(ranks)]',
-                                      '[f"rank {r}" for r in reversed(range(ranks))]'),
-    "windows: micro-batch numbers shifted": ("[str(k + 1) for k in range(n)]", "[str(k + 2) for k in range(n)]"),
     "windows: steps numbered from 0": ('f"optimizer step {step}', 'f"optimizer step {step - 1}'),
 }
 
 
-def planted_module(old, new):
-    source = Path(batches.__file__).read_text()
-    assert source.count(old) == 1, old
-    module = types.ModuleType("ddp_lesson.diagrams.batches_planted")
+# the grid's frame is drawn by shapes.rank_grid, which batches.py imports: planted there
+FRAME_BUGS = {
+    "windows: rank labels reversed": ('[f"rank {r}" for r in range(ranks)]',
+                                      '[f"rank {r}" for r in reversed(range(ranks))]'),
+    "windows: micro-batch numbers shifted": ("[str(k + 1) for k in range(columns)]",
+                                             "[str(k + 2) for k in range(columns)]"),
+}
+
+
+def mutated(real, old=None, new=None):
+    """A copy of the module `real`, with `old` (found exactly once in its source) replaced by `new`."""
+    source = Path(real.__file__).read_text()
+    if old is not None:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    module = types.ModuleType(real.__name__ + "_planted")
     module.__package__ = "ddp_lesson.diagrams"
-    exec(compile(source.replace(old, new), "batches_planted.py", "exec"), module.__dict__)
+    exec(compile(source, Path(real.__file__).stem + "_planted.py", "exec"), module.__dict__)
     return module
 
 
-@pytest.mark.parametrize("name", list(DRAWING_BUGS))
+def planted_module(old, new, where=batches):
+    """batches.py with a drawing bug planted in it, or in shapes.py (where=shapes): then the
+    copy of batches uses the planted copy of every name it imports from shapes."""
+    if where is batches:
+        return mutated(batches, old, new)
+    module, planted = mutated(batches), mutated(shapes, old, new)
+    for name, value in vars(shapes).items():
+        if module.__dict__.get(name) is value:
+            module.__dict__[name] = getattr(planted, name)
+    return module
+
+
+@pytest.mark.parametrize("name", list(DRAWING_BUGS) + list(FRAME_BUGS))
 def test_each_planted_drawing_bug_fails_the_read_back(name):
-    module = planted_module(*DRAWING_BUGS[name])
+    module = planted_module(*DRAWING_BUGS[name]) if name in DRAWING_BUGS else planted_module(*FRAME_BUGS[name], where=shapes)
     if name.startswith("bn:"):
         given = bn_input(3)
         assert bn_fails(module.bn_statistics(*given), given)

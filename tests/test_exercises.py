@@ -168,3 +168,41 @@ def test_too_small_by_is_checked_at_two_scales(answer, right):
     else:
         with pytest.raises(AssertionError, match="too small"):
             exercises.check_too_small_by(answer, slow)
+
+
+# -- the one verdict: exercises.grade (pure-function exercises of 00-08 and attempt's) -------
+def test_grade_prints_the_verdict_and_returns_it(capsys):
+    assert exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: (b * w, lr * b * w / bb))
+    assert capsys.readouterr().out == "correct!\n"
+    # the starter's None is "not yet" (a TypeError), not a traceback
+    assert not exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: None)
+    assert capsys.readouterr().out.startswith("not yet:")
+    assert not exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: (b * w, lr * w))
+    assert "an epoch does not go as far" in capsys.readouterr().out
+    assert exercises.grade(lambda: "what it saw")
+    assert capsys.readouterr().out == "correct! what it saw\n"
+
+
+def test_pure_checkers_accept_a_solution_and_reject_the_classic_mistake():
+    # the notebooks' collapsed solution cells run each both ways; here the ones whose
+    # starters do not raise by themselves
+    assert exercises.check_predict(lambda n, c, g, a, b: n * c / (c + (n > 1) * (2 * (n - 1) * a + 2 * (n - 1) / n * g / b)))
+    with pytest.raises(AssertionError, match="the model gives"):
+        exercises.check_predict(lambda n, c, g, a, b: n)
+    import argparse
+
+    def parser(**kw):
+        p = argparse.ArgumentParser()
+        p.add_argument("--sync-bn", **kw)
+        return p
+    assert exercises.check_parser(lambda: parser(action=argparse.BooleanOptionalAction, default=False))
+    with pytest.raises(AssertionError, match="refuses"):
+        exercises.check_parser(lambda: parser(type=bool, default=False))
+    assert exercises.check_ranks(lambda node, local, per: node * per + local, lambda env: f"cuda:{env['LOCAL_RANK']}")
+    with pytest.raises(AssertionError, match="you said 'cuda:4'"):
+        exercises.check_ranks(lambda node, local, per: node * per + local, lambda env: f"cuda:{env['RANK']}")
+    crashed = {"status": "failed", "failure": {"rank": 1, "message": "RuntimeError: boom\nmore"}}
+    assert exercises.check_first_failure(lambda r: r.get("failure") and (r["failure"]["rank"], "RuntimeError: boom"),
+                                         crashed, {"status": "timeout"})
+    with pytest.raises(AssertionError, match="root cause is rank 1"):
+        exercises.check_first_failure(lambda r: (0, "rank 0 failed"), crashed, {"status": "timeout"})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddp_lesson import lesson
+from ddp_lesson import bundled, lesson
 
 VERDICT = """
 import json, os
@@ -16,7 +16,7 @@ if os.environ.get("FAIL"):
 
 def test_script_diff_shows_what_changed_from_the_reference(tmp_path):
     new = tmp_path / "ddp_syncbn.py"
-    new.write_text((lesson.SCRIPTS / "ddp_basic.py").read_text().replace("import torch\n", "import torch  # edited\n", 1))
+    new.write_text(lesson.script("ddp_basic.py").read_text().replace("import torch\n", "import torch  # edited\n", 1))
     diff = lesson.script_diff("ddp_basic.py", new)
     assert "-import torch" in diff and "+import torch  # edited" in diff
     assert [l for l in diff if l[:1] in "+-" and l[:3] not in ("+++", "---")] == ["-import torch", "+import torch  # edited"]
@@ -34,9 +34,9 @@ def test_load_script_reads_edits_without_sys_path(tmp_path, monkeypatch):
 
 
 def test_verdict_reads_the_json_or_says_why_the_check_failed(tmp_path, monkeypatch):
-    script = tmp_path / "vcheck.py"
-    script.write_text(VERDICT)
-    monkeypatch.setattr(lesson, "SCRIPTS", tmp_path)
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "checks" / "vcheck.py").write_text(VERDICT)
+    monkeypatch.setattr(bundled, "ROOT", tmp_path)
     run = lesson.check("vcheck")
     assert lesson.verdict(run, "v.json") == {"world": run.config["world_size"]}
     monkeypatch.setenv("FAIL", "1")
@@ -71,9 +71,10 @@ def run(args, device):
 
 
 def test_written_reads_a_file_before_the_run_ends_and_names_the_script_that_failed(tmp_path, monkeypatch):
-    (tmp_path / "wfirst.py").write_text(FIRST)
-    (tmp_path / "wsecond.py").write_text(SECOND)
-    monkeypatch.setattr(lesson, "SCRIPTS", tmp_path)
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "checks" / "wfirst.py").write_text(FIRST)
+    (tmp_path / "checks" / "wsecond.py").write_text(SECOND)
+    monkeypatch.setattr(bundled, "ROOT", tmp_path)
     run = lesson.check("wfirst", "--then", "wsecond", nproc=1)
     try:
         assert lesson.written(run, "a.json") == {"first": True}

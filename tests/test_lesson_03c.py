@@ -16,9 +16,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_lesson.bundled import script
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "03c_averaging_in_ddp.ipynb"
-SCRIPTS = ROOT / "ddp_lesson" / "scripts"
 
 
 def cells():
@@ -82,7 +83,7 @@ def test_distributed_sampler_pads_with_duplicates_and_drop_last_does_not():
 
 def test_exercise_with_checker_and_solution():
     texts = [source(c) for c in cells() if c["cell_type"] == "code"]
-    assert any("# your answer here" in t and "def check_" in t and "not yet:" in t for t in texts)
+    assert any("# your answer here" in t and "def check_" in t and "grade(check_" in t for t in texts)
     solutions = [c for c in cells() if "solution" in c.get("metadata", {}).get("tags", [])]
     assert solutions and all(c["metadata"]["jupyter"]["source_hidden"] for c in solutions)
     assert all("check_" in source(c) and "starter" in source(c) for c in solutions)
@@ -97,7 +98,7 @@ def test_links_previous_03b_next_04():
 
 def test_script_seeds_and_evaluates_as_notebook_03s():
     # the learner meets one rule for both scripts: seed + rank, evaluation through DDP's forward
-    mine, basic = (SCRIPTS / "loss_averaging.py").read_text(), (SCRIPTS / "ddp_basic.py").read_text()
+    mine, basic = script("loss_averaging.py").read_text(), script("ddp_basic.py").read_text()
     for needle in ("torch.manual_seed(args.seed + rank)", 'os.environ["RANK"]', 'os.environ["LOCAL_RANK"]',
                    'os.environ["WORLD_SIZE"]', "@record", "set_epoch", "destroy_process_group"):
         assert needle in mine and needle in basic, needle
@@ -187,11 +188,11 @@ MISTAKE = ("            loss.backward()                        # DDP: the gradie
 def test_gradient_check_rejects_the_real_mistake_on_2_ranks(tmp_path):
     from ddp_lesson import data, launch, models, runs
     from torch.utils.data.distributed import DistributedSampler as Sampler
-    text = (SCRIPTS / "loss_averaging.py").read_text()
+    text = script("loss_averaging.py").read_text()
     assert MISTAKE[0] in text
-    script = tmp_path / "mistake.py"
-    script.write_text(text.replace(MISTAKE[0], MISTAKE[1]))
-    run = launch.start(script, nproc=2, cpu=True, run_dir=tmp_path / "run",
+    mistake = tmp_path / "mistake.py"
+    mistake.write_text(text.replace(MISTAKE[0], MISTAKE[1]))
+    run = launch.start(mistake, nproc=2, cpu=True, run_dir=tmp_path / "run",
                        args=["--epochs", "1", "--batch-size", "16", "--n-train", "96", "--n-test", "40"])
     try:
         result = run.wait(timeout=240)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson import costmodel, exercises, launch
-from ddp_lesson.lesson import SCRIPTS, load_script
+from ddp_lesson.lesson import load_script, script
 
 WORLD = 3
 STEPS = 2
@@ -35,7 +35,7 @@ def cases(tmp_path_factory):
     good = exercises.bucketed_solution(base / "bucketed_solution.py")
     one = base / "bucketed_one.py"        # a correct hook, but everything in one bucket of its own
     one.write_text(good.read_text().replace("if size >= bucket_bytes:", "if False:"))
-    files = {"solution": good, "starter": SCRIPTS / "bucketed_exercise.py", "one": one,
+    files = {"solution": good, "starter": script("bucketed_exercise.py"), "one": one,
              "blocking": exercises.bucketed_solution(base / "bucketed_blocking.py", blocking=True),
              "waiting": exercises.bucketed_solution(base / "bucketed_waiting.py", waiting=True),
              "late": exercises.bucketed_solution(base / "bucketed_late.py", late=True)}
@@ -112,7 +112,7 @@ def test_bucket_layout_is_reverse_registration_closed_at_the_cap():
 
 def test_stage_d_without_a_file_is_refused_before_starting():
     # The refusal comes from argparse, before any process group: plain python is enough.
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "ddp_scratch.py"), "--stages", "a,d"],
+    proc = subprocess.run([sys.executable, str(script("ddp_scratch.py")), "--stages", "a,d"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "stage d is the exercise: pass --bucketed FILE" in proc.stderr, proc.stderr
 
@@ -128,7 +128,7 @@ def test_ring_all_reduce_equals_dist_all_reduce(cases):
 
 
 # -- section 6: DDP's collectives, counted -----------------------------------------------------
-collectives = load_script(SCRIPTS / "ddp_collectives.py")
+collectives = load_script(script("ddp_collectives.py"))
 
 
 def test_ddp_collectives_match_the_rule_at_3_ranks(cases):
@@ -220,7 +220,7 @@ def test_rule_follows_the_model_not_the_world_size():
 
 
 # -- section 3: the alpha-beta line on held-out workloads ------------------------------------
-alpha_beta = load_script(SCRIPTS / "alpha_beta.py")
+alpha_beta = load_script(script("alpha_beta.py"))
 ALPHA, BETA = 100e-6, 1e9                   # a made-up machine: 100 us latency, 1 GB/s
 HELD = {"one 4 B all-reduce": [4], "64 all-reduces of 4 B": [4] * 64, "one 2 MiB all-reduce": [2 ** 21],
         "DDP's buckets at 64 KiB": [263168] * 8 + [10280]}

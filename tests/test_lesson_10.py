@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lesson import chain, launch
-from ddp_lesson.lesson import SCRIPTS, load_script
+from ddp_lesson.lesson import load_script, script
 
 WORLD = 3
 STEPS = 2
@@ -54,11 +54,11 @@ def launched(tmp_path_factory):
     # links are imported from the first script's folder: the real ones are copied beside it.
     folder = base / "planted"
     folder.mkdir()
-    text = (SCRIPTS / "beyond_amp.py").read_text()
+    text = script("beyond_amp.py").read_text()
     assert text.count(AMP_NOSYNC) == 1, "beyond_amp.py no longer holds its no_sync() line"
     (folder / "beyond_amp.py").write_text(text.replace(AMP_NOSYNC, "            with model.no_sync():\n"))
     for name in ("beyond_compile.py", "beyond_shard.py", "beyond_dcp.py"):
-        shutil.copy(SCRIPTS / name, folder / name)
+        shutil.copy(script(name), folder / name)
     run = launch.start(folder / "beyond_amp.py", cpu=True, nproc=WORLD, run_dir=base / "chain", timeout=600,
                        args=[*AMP_ARGS, "--then", "beyond_compile", "--steps", 3, "--then", "beyond_shard", "--steps", STEPS,
                              "--then", "beyond_dcp", "--save", ckpt, "--steps", STEPS])
@@ -96,11 +96,11 @@ def test_dcp_checkpoint_saved_at_3_loads_at_1(launched, tmp_path):
     assert saved["world_size"] == WORLD
     assert len([f for f in saved["files"] if f.endswith(".distcp")]) == WORLD   # one file per saving rank
     assert saved["floats_on_rank0"] < saved["floats_total"]                     # rank 0 held a shard only
-    run = launch.start(SCRIPTS / "beyond_dcp.py", cpu=True, nproc=1,
+    run = launch.start(script("beyond_dcp.py"), cpu=True, nproc=1,
                        args=["--load", str(launched["ckpt"])], run_dir=tmp_path / "load", timeout=300)
     loaded = finished(run, "dcp_load.json")
     assert loaded["world_size"] == 1
-    dcp10 = load_script(SCRIPTS / "beyond_dcp.py")
+    dcp10 = load_script(script("beyond_dcp.py"))
     dcp10.check(saved, loaded)                             # the notebook's cell 10-21, saved at 3, loaded at 1
     # Planted: a load that kept the save's cut; a save where rank 0 held the whole model; a load
     # at the save's own world size.
@@ -138,7 +138,7 @@ def test_bytes_sent_zero_is_ddp_plus_broadcasts(launched):
 def test_compile_graphs_per_bucket_and_ddp_rebuilt_buckets(launched):
     v = finished(launched["run"], "compile.json")
     assert v["world_size"] == WORLD and v["backend"] == "aot_eager"
-    compile10 = load_script(SCRIPTS / "beyond_compile.py")
+    compile10 = load_script(script("beyond_compile.py"))
     compile10.check(v)                                     # the notebook's cell 10-13, at 3 ranks
     names = sorted(sum(v["ddp_buckets"]["eager"], []))
     assert sorted(sum(v["split"]["pieces"], [])) == names  # the pieces name every parameter once
@@ -238,7 +238,7 @@ def test_the_notebooks_launch_line_parses_through_every_script(monkeypatch):
     # The notebook's one launch, parsed as its ranks parse it (no launch): every script, in order.
     line = first_launch(Path(__file__).resolve().parent.parent / "notebooks" / "10_beyond_ddp.ipynb")
     assert line[0] == "beyond_amp"
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(script("beyond_amp.py").parent))   # chained links: its siblings
     first = importlib.import_module("beyond_amp")
     args = first.parse_args([str(a) for a in line[1:]])
     names = [m.__name__ for m, _ in args.then]
@@ -262,7 +262,7 @@ def one_rank(tmp_path, monkeypatch):
 
 def planted(tmp_path, name, old, new):
     """The course's script `name` with the text `old` (found exactly once) replaced by `new`."""
-    text = (SCRIPTS / name).read_text()
+    text = script(name).read_text()
     assert text.count(old) == 1, f"{name} no longer holds {old!r}"
     path = tmp_path / "planted" / name
     path.parent.mkdir(exist_ok=True)
@@ -281,7 +281,7 @@ def amp_of(module, run_dir):
 
 def test_amp_check_fails_on_the_wrong_clip_order(one_rank, tmp_path):
     # Cell 10-05's check, on the script as written and with three planted bugs.
-    amp10 = load_script(SCRIPTS / "beyond_amp.py")
+    amp10 = load_script(script("beyond_amp.py"))
     amp = amp_of(amp10, one_rank)
     amp10.check(amp)
     assert amp["scaler"] and all(s["scale"] > 1 for s in amp["steps"])
@@ -311,13 +311,13 @@ def test_amp_check_fails_when_no_micro_batch_all_reduces(launched):
     assert amp["world_size"] == WORLD and amp["scaler"]
     assert [s["same_on_all_ranks"] for s in amp["steps"]] == [False] * len(amp["steps"])
     with pytest.raises(AssertionError, match="different gradients"):
-        load_script(SCRIPTS / "beyond_amp.py").check(amp)
+        load_script(script("beyond_amp.py")).check(amp)
 
 
 def test_compress_check_fails_when_a_hook_does_not_compress(one_rank, monkeypatch):
     # Cell 10-09's check, on the script as written (the notebook's 24 steps) and with the fp16
     # hook planted as DDP's plain fp32 all-reduce.
-    compress10 = load_script(SCRIPTS / "beyond_compress.py")
+    compress10 = load_script(script("beyond_compress.py"))
     compress10.run(compress10.parse_args(["--steps", "24"]), torch.device("cpu"))
     compress10.check(json.loads((one_rank / "compress.json").read_text()))
     monkeypatch.setitem(compress10.HOOKS, "fp16", compress10.default_hooks.allreduce_hook)
@@ -330,8 +330,8 @@ def test_the_notebook_runs_the_scripts_checks():
     # The checks above are the notebook's: its check cells call them on the runs' results.
     nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "10_beyond_ddp.ipynb").read_text())
     code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
-    for call in ('load_script(SCRIPTS / "beyond_amp.py").check(amp)',
-                 'load_script(SCRIPTS / "beyond_compress.py").check(compress)',
+    for call in ('load_script(script("beyond_amp.py")).check(amp)',
+                 'load_script(script("beyond_compress.py")).check(compress)',
                  "compile10.check(comp)",
-                 'load_script(SCRIPTS / "beyond_dcp.py").check(saved, loaded)'):
+                 'load_script(script("beyond_dcp.py")).check(saved, loaded)'):
         assert call in code, call

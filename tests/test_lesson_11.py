@@ -21,10 +21,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import child_env
 from ddp_lesson import capstone, exercises, failures, launch, runs
-from ddp_lesson.lesson import SCRIPTS, load_script
+from ddp_lesson.lesson import load_script, script
 
 pytestmark = pytest.mark.timeout(600)   # three small launches, two at once; a busy machine slows each
-gpt = load_script(SCRIPTS / "gpt_ddp.py")
+gpt = load_script(script("gpt_ddp.py"))
 G, BLOCK, WINDOWS = 12, 32, 30           # 2 steps per epoch, 6 windows left out each epoch
 TINY = ["--layers=1", "--heads=2", "--width=32", f"--block={BLOCK}", f"--global-batch={G}", "--micro-batch=1",
         "--steps=5", "--warmup-steps=2", "--lr=1e-2", "--eval-every=100", "--eval-windows=8",
@@ -273,14 +273,14 @@ def trio(tmp_path_factory):
     three FSDP2 variants (--fsdp-check). bf16: 1 rank, 2 steps, at
     the same time. c: a's step-3 checkpoint resumed on 1 rank for steps 4-5."""
     base = tmp_path_factory.mktemp("runs11")
-    a = launch.start(SCRIPTS / "gpt_ddp.py", nproc=3, cpu=True, args=TINY + ["--amp=off", "--save-at=3", "--fsdp-check=2"],
+    a = launch.start(script("gpt_ddp.py"), nproc=3, cpu=True, args=TINY + ["--amp=off", "--save-at=3", "--fsdp-check=2"],
                      run_dir=base / "a", timeout=300, env=ONE_THREAD)
-    bf16 = launch.start(SCRIPTS / "gpt_ddp.py", nproc=1, cpu=True, run_dir=base / "bf16", timeout=300, env=ONE_THREAD,
+    bf16 = launch.start(script("gpt_ddp.py"), nproc=1, cpu=True, run_dir=base / "bf16", timeout=300, env=ONE_THREAD,
                         args=TINY + ["--amp=bf16", "--stop-at=2", "--sample-bytes=8"])
     started = [a, bf16]
     try:
         assert a.wait()["status"] == "ok", a.result.get("message")
-        c = launch.start(SCRIPTS / "gpt_ddp.py", nproc=1, cpu=True, run_dir=base / "c", timeout=300, env=ONE_THREAD,
+        c = launch.start(script("gpt_ddp.py"), nproc=1, cpu=True, run_dir=base / "c", timeout=300, env=ONE_THREAD,
                          args=TINY + ["--amp=off", f"--resume={base / 'a' / 'ckpt_3.pt'}"])
         started.append(c)
         assert c.wait()["status"] == "ok", c.result.get("message")
@@ -474,7 +474,7 @@ def fake_run(tmp_path, per_rank_samples, asked=8, micro=2, world=None, status="o
 def test_check_refusal_rejects_dividing_without_refusing(tmp_path):
     """11's exercise at a world size that cannot give the global batch, without a launch:
     dividing without refusing passes at 2 and 3 ranks, and check_refusal must reject it."""
-    starter = (SCRIPTS / "ex_global_batch.py").read_text()
+    starter = script("ex_global_batch.py").read_text()
     line = "    ACCUM = 8  # micro-batches per rank per optimizer step\n"
     divide = "    ACCUM = GLOBAL // (MICRO * world_size)\n"
     answers = {"solution": "    if GLOBAL % (MICRO * world_size):\n        raise SystemExit('48 do not split')\n" + divide,
@@ -484,10 +484,10 @@ def test_check_refusal_rejects_dividing_without_refusing(tmp_path):
                "name_error": "    ACCUM = GLOBAL // (MICRO * world_sz)\n"}
     verdicts = {}
     for name, body in answers.items():
-        script = tmp_path / f"{name}.py"
-        script.write_text(starter.replace(line, body))
+        answer = tmp_path / f"{name}.py"
+        answer.write_text(starter.replace(line, body))
         try:
-            verdicts[name] = capstone.check_refusal(script)
+            verdicts[name] = capstone.check_refusal(answer)
         except AssertionError as e:
             verdicts[name] = f"rejected: {e}"
     assert verdicts["solution"] == "refuses 5 ranks: 48 do not split", verdicts

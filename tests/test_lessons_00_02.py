@@ -30,10 +30,11 @@ def source(cell):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_exercise_with_checker_and_solution(name):
     # the convention of 00-05: a starter marked `# your answer here` that the learner runs
-    # through the checker; a collapsed <details> solution; a hidden solution cell that proves
-    # the checker accepts the solution and rejects the starter
+    # through the checker (exercises.grade prints "correct!" or "not yet:"); a collapsed
+    # <details> solution; a hidden solution cell that proves the checker accepts the solution
+    # and rejects the starter
     texts = [source(c) for c in cells(name) if c["cell_type"] == "code"]
-    assert any("# your answer here" in t and "def check_" in t and "not yet:" in t for t in texts)
+    assert any("# your answer here" in t and "grade(check_" in t for t in texts)
     assert any(c["cell_type"] == "markdown" and source(c).startswith("<details>") for c in cells(name))
     solutions = [c for c in cells(name) if "solution" in c.get("metadata", {}).get("tags", [])]
     assert solutions and all(c["metadata"]["jupyter"]["source_hidden"] for c in solutions)
@@ -42,9 +43,9 @@ def test_exercise_with_checker_and_solution(name):
 
 # -- 00: the fast path, its script, the lesson text and the glossary ------------------------
 
-from ddp_lesson.lesson import SCRIPTS, load_script  # noqa: E402
+from ddp_lesson.lesson import load_script, script  # noqa: E402
 
-FIRST_RUN = SCRIPTS / "first_run.py"
+FIRST_RUN = script("first_run.py")
 
 
 def _train_by_hand(script, world, average=True, divide=True, steps=None):

@@ -35,14 +35,16 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson import launch
+from ddp_lesson.bundled import script
 
-SCRIPTS = Path(launch.__file__).parent / "scripts"
+REPO = Path(__file__).resolve().parent.parent
+
 TINY = ["--epochs", "1", "--train-samples", "256", "--batch-size", "16"]
 
 
 def test_sync_bn_flag_takes_no_value():
     # a common mistake is type=bool, where `--sync-bn False` means True
-    out = subprocess.run([sys.executable, str(SCRIPTS / "ddp_syncbn.py"), "--sync-bn", "False"],
+    out = subprocess.run([sys.executable, str(script("ddp_syncbn.py")), "--sync-bn", "False"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unrecognized arguments: False" in out.stderr, out.stderr
 
@@ -50,7 +52,7 @@ def test_sync_bn_flag_takes_no_value():
 @pytest.mark.parametrize("old,new,max_changed", [("ddp_basic.py", "ddp_syncbn.py", 12),
                                                  ("ddp_syncbn.py", "ddp_accum.py", 40)])
 def test_each_lesson_script_is_a_small_diff(old, new, max_changed):
-    a, b = (SCRIPTS / old).read_text().splitlines(), (SCRIPTS / new).read_text().splitlines()
+    a, b = script(old).read_text().splitlines(), script(new).read_text().splitlines()
     changed = [l for l in difflib.unified_diff(a, b, lineterm="", n=0)
                if l[:1] in "+-" and not l.startswith(("+++", "---"))]
     assert 0 < len(changed) <= max_changed, "\n".join(changed)
@@ -59,7 +61,7 @@ def test_each_lesson_script_is_a_small_diff(old, new, max_changed):
 @pytest.mark.parametrize("name", ["ddp_basic.py", "ddp_syncbn.py", "ddp_accum.py"])
 def test_lesson_scripts_show_every_ddp_line(name):
     # the one deliberate source test: the lesson is these lines, written out in the script
-    src = (SCRIPTS / name).read_text()
+    src = script(name).read_text()
     for needle in ("init_process_group", '"nccl" if use_cuda else "gloo"', 'os.environ["RANK"]',
                    'os.environ["LOCAL_RANK"]', 'os.environ["WORLD_SIZE"]', "MASTER_ADDR", "MASTER_PORT",
                    "set_device", "DistributedSampler", "set_epoch", "DDP(", "model.module.state_dict()",
@@ -69,9 +71,9 @@ def test_lesson_scripts_show_every_ddp_line(name):
 
 def test_launch_use_env_variant():
     # notebook 03 runs the three launchers at 2 ranks (started in cell 03-01, read in 03-20); --use-env is the one it leaves out
-    variants = SCRIPTS / "launch_variants"
+    variants = script("launch_variants")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(SCRIPTS.parent.parent))
+               PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2",
                           "--master-port", str(launch.free_port()), "--use-env",
                           str(variants / "hello_launch.py")],
@@ -94,17 +96,17 @@ def test_convert_sync_batchnorm_follows_where_the_model_lives(monkeypatch):
 def test_single_process_script_trains_and_counts_every_test_sample(tmp_path):
     # notebook 03's diff starts from this script: it must run as it is, in one plain process
     env = dict(os.environ, DDP_LESSON_RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(SCRIPTS.parent.parent))
+               PYTHONPATH=str(REPO))
     (tmp_path / "metrics").mkdir()
-    out = subprocess.run([sys.executable, str(SCRIPTS / "train_single.py"), *TINY], env=env,
+    out = subprocess.run([sys.executable, str(script("train_single.py")), *TINY], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "test accuracy" in out.stdout and (tmp_path / "model.pt").exists()
 
 
 def test_single_to_ddp_diff_is_the_ddp_lines():
-    a = (SCRIPTS / "train_single.py").read_text().splitlines()
-    b = (SCRIPTS / "ddp_basic.py").read_text().splitlines()
+    a = script("train_single.py").read_text().splitlines()
+    b = script("ddp_basic.py").read_text().splitlines()
     diff = [l for l in difflib.unified_diff(a, b, lineterm="", n=0) if not l.startswith(("+++", "---"))]
     added = "\n".join(l for l in diff if l.startswith("+"))
     removed = "\n".join(l for l in diff if l.startswith("-"))
@@ -156,7 +158,7 @@ def test_cpu_syncbn_trains_without_running_stats_and_without_a_warning():
 PIN_SYNCBN_COPY = r"""
 import json, os, sys, tempfile
 import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1].split(os.pathsep)   # the lesson script's folder and the check's
 import ddp_syncbn, syncbn_stats
 opts = sys.argv[2:]
 sys.argv = ["ddp_syncbn.py", *opts]
@@ -179,8 +181,9 @@ def test_syncbn_stats_reference_runs_copy_ddp_syncbn_loop(tmp_path):
             "--train-samples", "96", "--seed", "3"]
     env = dict(os.environ, DDP_LESSON_RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="",
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(launch.free_port()), PYTHONPATH=str(SCRIPTS.parent.parent))
-    out = subprocess.run([sys.executable, "-c", PIN_SYNCBN_COPY, str(SCRIPTS), *opts], env=env,
+               MASTER_PORT=str(launch.free_port()), PYTHONPATH=str(REPO))
+    folders = os.pathsep.join(str(script(name).parent) for name in ("ddp_syncbn.py", "syncbn_stats.py"))
+    out = subprocess.run([sys.executable, "-c", PIN_SYNCBN_COPY, folders, *opts], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     ref = json.loads(out.stdout.strip().splitlines()[-1])
@@ -249,10 +252,10 @@ def test_window_rows_and_first_bn_picture_at_one_rank(monkeypatch):
     import torch.distributed as dist
 
     from ddp_lesson import models
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(script("accum_nosync.py").parent))
     import accum_nosync
     import syncbn_stats
-    source = (SCRIPTS / "ddp_accum.py").read_text()
+    source = script("ddp_accum.py").read_text()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)

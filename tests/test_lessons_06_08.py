@@ -12,7 +12,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ["06_scaling_and_performance", "07_troubleshooting", "08_multi_node"]
-SCRIPTS = REPO / "ddp_lesson" / "scripts"
 
 
 def cells(name):

@@ -2,9 +2,10 @@
 import pytest
 
 from ddp_lesson import BadInput, launch, multinode
+from ddp_lesson.bundled import script
 from pathlib import Path
 
-SCRIPT = Path(launch.__file__).parent / "scripts" / "rank_table.py"
+SCRIPT = script("rank_table.py")
 
 
 def test_expected_table():

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson import failures, launch, multinode
+from ddp_lesson.bundled import script
 
-SCRIPT = Path(launch.__file__).parent / "scripts" / "nic_check.py"
+SCRIPT = script("nic_check.py")
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from ddp_lesson.bundled import script
+
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "notebooks.py"
-SCRIPTS = REPO / "ddp_lesson" / "scripts"
 
 
 def run_tool(*args):
@@ -70,7 +71,7 @@ def duplicate_id(cells):
 @pytest.mark.parametrize("breakage,words", [
     (drift, "differs from ddp_lesson/scripts/"),
     (store_output, "stored outputs"),
-    (missing_script, "ddp_lesson/scripts/no_such_lesson.py does not exist"),
+    (missing_script, "writes work/no_such_lesson.py but no such script is shipped"),
     (sys_path, "touches sys.path"),
     (duplicate_id, "id is used twice"),
 ])
@@ -89,6 +90,8 @@ def test_sync_repairs_drift_and_strips_outputs_keeping_ids(notebook):
     cells = json.loads(path.read_text())["cells"]
     assert [c["id"] for c in cells] == ids
     body = "".join(writefile_cell(cells)["source"]).partition("\n")[2]
-    assert body.rstrip("\n") == (SCRIPTS / "ddp_basic.py").read_text().rstrip("\n")
+    assert body.rstrip("\n") == script("ddp_basic.py").read_text().rstrip("\n")
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in cells if c["cell_type"] == "code")
+    # 03's whole-script listing starts folded in JupyterLab; the rewritten cell stays folded
+    assert writefile_cell(cells)["metadata"]["jupyter"]["source_hidden"] is True

@@ -255,3 +255,30 @@ def test_memory_field_is_this_process_rss_also_after_a_fork():
         os._exit(0 if abs(metrics._rss_mb() - own) < 20 and parent - own > 100 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_listening_ports_are_psutils_without_psutil():
+    """metrics.listening_ports (rank side, standard library) finds the ports a process listens
+    on, IPv4 and IPv6, and not a connected socket's port: what psutil says."""
+    import socket
+
+    import psutil
+
+    from ddp_lesson import metrics
+    held = [socket.socket(), socket.socket(socket.AF_INET6)]
+    try:
+        held[0].bind(("127.0.0.1", 0))
+        held[1].bind(("::1", 0))
+        for s in held:
+            s.listen()
+        client = socket.create_connection(held[0].getsockname())
+        held.append(client)
+        ours = metrics.listening_ports(os.getpid())
+        theirs = sorted({c.laddr.port for c in psutil.Process().net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN})
+        assert ours == theirs
+        assert {held[0].getsockname()[1], held[1].getsockname()[1]} <= set(ours)
+        assert client.getsockname()[1] not in ours
+    finally:
+        for s in held:
+            s.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson import slurm
+from ddp_lesson.bundled import script
 
 
 def test_content():
@@ -92,7 +93,7 @@ def test_cli():
 
 
 # --- a real Slurm (ddp_lesson/slurm_cluster.sh): the printed script is submitted with sbatch ---
-TRAIN = Path(slurm.__file__).parent / "scripts" / "train_ddp.py"
+TRAIN = script("ddp_basic.py")
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ import json, os, sys
 from pathlib import Path
 from ddp_lesson import launch, runs, world
 assert os.environ["SLURM_JOB_ID"] and os.environ["RANK"] == "5"  # inside an allocation, vars leaked in
-run = launch.start(Path(launch.__file__).parent / "scripts" / "rank_table.py", nproc=2, cpu=True,
+run = launch.start(script("rank_table.py"), nproc=2, cpu=True,
                    run_dir=sys.argv[1], timeout=240)
 res = run.wait()
 rows = [{"RANK": r["rank"], "WORLD_SIZE": r["world_size"]} for r in runs.load_metrics(sys.argv[1])

@@ -1,12 +1,12 @@
 """Where each rank's step time goes (metrics.StepTimer), stragglers, the panel's bars and
 the trained model coming back (runs.load(...).state_dict()).
 
-The real run: train_ddp.py on 3 CPU ranks with rank 1 sleeping 400 ms per step inside its
+The real run: ddp_basic.py on 3 CPU ranks with rank 1 sleeping 400 ms per step inside its
 compute. Ranks 0 and 2 then wait for it in the gradient all-reduce every step: their median
 wait_s exceeds rank 1's by about 400 ms, whatever the machine's load (a structural effect),
 and the test asks for at least 20 ms. 3 ranks, not notebook 06's 2: the straggler rule and
 the panel are checked where one slow rank holds up two others, and the same run is
-tests/test_world_size.py's 3-rank train_ddp.py run (3 does not divide the 1,024 test samples:
+tests/test_world_size.py's 3-rank ddp_basic.py run (3 does not divide the 1,024 test samples:
 each must still be counted once).
 """
 import statistics
@@ -18,11 +18,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_lesson import data, metrics, models, monitor, plots, runs
+from ddp_lesson.bundled import script
 from ddp_lesson.widgets import DevicePicker, RunPanel
 
 from conftest import REPO, child_env
 
-TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
+TRAIN = script("ddp_basic.py")
 
 
 def timed_rows(compute_ms, steps=12):

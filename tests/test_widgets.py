@@ -7,12 +7,13 @@ import ipywidgets as W
 import pytest
 
 from ddp_lesson import BadInput, procs, widgets
+from ddp_lesson.bundled import script
 from ddp_lesson.devices import GPU
 from ddp_lesson.widgets import DevicePicker, RunPanel, option_args
 
 from conftest import REPO, wait_until
 
-TRAIN = REPO / "ddp_lesson" / "scripts" / "train_ddp.py"
+TRAIN = script("ddp_syncbn.py")  # the reference loop with --sync-bn
 OPTIONS = {"epochs": 1, "batch-size": 64, "lr": 0.05, "sync-bn": False}
 
 # Pure Python ranks (no torch import, so they start fast): log a metric row and a line
@@ -67,6 +68,21 @@ def test_picker_with_gpus_skips_busy_ones_and_offers_cpu():
     picker.disabled = True
     picker.disabled = False
     assert all(b.disabled for b in picker.boxes)  # still CPU mode
+
+
+def test_one_gpu_starts_on_cpu_processes_and_says_why(monkeypatch):
+    monkeypatch.delenv("DDP_LESSON_NPROC", raising=False)
+    monkeypatch.setattr(widgets.devices, "cpu_count", lambda: 8)
+    picker = DevicePicker(gpus=[GPU(0, "RTX 4090", 24564, 10)])
+    assert picker.selection() == {"cpu": True, "nproc": 2}
+    assert picker.boxes[0].disabled and picker.cpu_row.layout.display == ""
+    note = picker.widget.children[-1].value
+    assert "One GPU" in note and "2 ranks" in note and "untick" in note
+    picker.use_cpu.value = False
+    assert picker.selection() == {"gpus": [0]}
+    assert not picker.boxes[0].disabled
+    # two GPUs keep the GPU default
+    assert DevicePicker(gpus=[GPU(0, "A", 1, 0), GPU(1, "A", 1, 0)]).selection() == {"gpus": [0, 1]}
 
 
 def test_all_busy_gpus_start_ticked():

@@ -4,8 +4,8 @@ DDP_LESSON_NPROC=N sets the default number of CPU ranks; every lesson script cou
 test sample exactly once at any world size. The runs are real torchrun trees at 1 and 3
 gloo ranks (3 does not divide the 1024 test samples, so DistributedSampler's padding
 would show as 1026), all started together so the suite pays torchrun's start-up once.
-train_ddp.py at 3 ranks is not launched here: test_timing.py's straggler run is that run
-(train_ddp.py, 3 ranks, 1 epoch) and asserts the same count on every rank.
+ddp_basic.py at 3 ranks is not launched here: test_timing.py's straggler run is that run
+(ddp_basic.py, 3 ranks, 1 epoch) and asserts the same count on every rank.
 ddp_checks.py at 3 ranks (overlap, buffers, map_location) is not launched here: notebook 03b's
 3-rank rerun (conftest.py) asserts all of it on every rank, in the cell after its timeline."""
 import json
@@ -15,8 +15,8 @@ import pytest
 
 from ddp_lesson import BadInput, data, devices, launch, runs
 from ddp_lesson.widgets import DevicePicker
+from ddp_lesson.bundled import script
 
-SCRIPTS = Path(launch.__file__).parent / "scripts"
 TINY = ["--epochs", "1", "--train-samples", "96", "--batch-size", "16"]
 TEST_SET_SIZE = len(data.shapes_split(train=False))
 
@@ -46,10 +46,10 @@ def test_bad_ddp_lesson_nproc_is_one_sentence(monkeypatch, value):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     base = tmp_path_factory.mktemp("world_size")
-    started = {name: launch.start(SCRIPTS / script, nproc=nproc, cpu=True, args=args,
+    started = {name: launch.start(script(file), nproc=nproc, cpu=True, args=args,
                                   run_dir=base / name, timeout=300)
-               for name, (script, nproc, args, _) in RUNS.items()}
-    started["unet_4"] = launch.start(SCRIPTS / "unet_split.py", nproc=4, cpu=True,
+               for name, (file, nproc, args, _) in RUNS.items()}
+    started["unet_4"] = launch.start(script("unet_split.py"), nproc=4, cpu=True,
                                      run_dir=base / "unet_4", timeout=300)
     for run in started.values():  # all finish before any test ends: conftest allows no live run
         run.wait()
@@ -76,7 +76,7 @@ def test_lesson_scripts_share_one_evaluate():
     """ddp_syncbn's evaluate() is ddp_basic's (the lessons differ by a few lines), so the runs
     above cover it without a launch of its own."""
     def evaluate_of(name):
-        src = (SCRIPTS / name).read_text()
+        src = script(name).read_text()
         start = src.index("def evaluate(")
         ends = [i for i in (src.find("\ndef ", start), src.find("\n@", start)) if i != -1]
         return src[start:min(ends)]   # the function alone, whatever follows it

@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ddp_lesson"
 
 # __init__ is imported by every process, so at import time it defines names only; the
 # magics it loads for `%load_ext ddp_lesson` make it notebook side.
-RANK = {"chain", "costmodel", "data", "dist", "forked_rank", "guard", "knobs", "metrics", "models",
-        "procs", "rundir", "syncbn", "warm_server", "world_messages", "world_rank"}
+RANK = {"bundled", "chain", "costmodel", "data", "dist", "forked_rank", "guard", "knobs", "metrics",
+        "models", "procs", "rundir", "syncbn", "warm_server", "world_messages", "world_rank"}
 KERNEL = {"__main__", "checks", "devices", "doctor", "failures", "interrupts", "launch",
           "monitor", "multinode", "runs", "scaling", "slurm", "stacks", "warm", "world"}
 NOTEBOOK = {"__init__", "capstone", "diagrams", "exercises", "lesson", "magics", "plots", "simulate", "widgets"}

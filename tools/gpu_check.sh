@@ -11,6 +11,7 @@ set -u
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY=${PYTHON:-python}
+shipped() { "$PY" -c "import sys; from ddp_lesson.bundled import script; print(script(sys.argv[1]))" "$1"; }  # a script's path
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   echo "gpu_check: this machine has no NVIDIA GPU (nvidia-smi lists none), so there is nothing to check; nothing was written." >&2
@@ -97,8 +98,8 @@ EOF
 
 step doctor 180 "$PY" -m ddp_lesson doctor
 step demo 300 "$PY" -m ddp_lesson demo --gpus "$FIRST" --epochs 1 --run-dir "$WORK/demo"
-step nccl_all_reduce 180 "$PY" -m ddp_lesson run ddp_lesson/scripts/nccl_check.py --gpus "$IDS" --run-dir "$WORK/nccl"
-step syncbn_stats 180 "$PY" -m ddp_lesson run ddp_lesson/scripts/syncbn_stats.py --gpus "$IDS" --run-dir "$WORK/syncbn" -- --batch-size 4
+step nccl_all_reduce 180 "$PY" -m ddp_lesson run "$(shipped nccl_check.py)" --gpus "$IDS" --run-dir "$WORK/nccl"
+step syncbn_stats 180 "$PY" -m ddp_lesson run "$(shipped syncbn_stats.py)" --gpus "$IDS" --run-dir "$WORK/syncbn" -- --batch-size 4
 # PyTorch's SyncBatchNorm (not the CPU stand-in) must have run, and matched BN over the whole batch
 step syncbn_is_pytorchs 30 "$PY" - "$WORK/syncbn/syncbn.json" <<'EOF'
 import json, sys
@@ -111,7 +112,7 @@ for r in ranks:
     assert r["running_var_unbiased_global_n"], r
 print("nn.SyncBatchNorm over nccl on", len(ranks), "rank(s): matches BatchNorm over the concatenated batch")
 EOF
-step ddp_syncbn_lesson 300 "$PY" -m ddp_lesson run ddp_lesson/scripts/ddp_syncbn.py --gpus "$IDS" --run-dir "$WORK/lesson" -- --epochs 1 --batch-size 8 --sync-bn
+step ddp_syncbn_lesson 300 "$PY" -m ddp_lesson run "$(shipped ddp_syncbn.py)" --gpus "$IDS" --run-dir "$WORK/lesson" -- --epochs 1 --batch-size 8 --sync-bn
 step test_samples_once 30 "$PY" - "$WORK/lesson" <<'EOF'
 import sys
 from ddp_lesson import data, runs
@@ -134,7 +135,7 @@ done
   echo
   echo "## Figures"
   echo
-  echo "### demo (train_ddp.py on GPU $FIRST)"
+  echo "### demo (ddp_basic.py on GPU $FIRST)"
 } >>"$REPORT"
 figures "$WORK/demo"
 say ""; say "### nccl all_reduce on GPUs $IDS ($NGPU rank(s))"

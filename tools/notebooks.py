@@ -1,13 +1,14 @@
 """The one way to keep the notebooks in shape. Prose and ordinary code cells: the .ipynb files
 are the source (edit them in JupyterLab or an editor). `%%writefile work/<name>.py` cells: the
-script ddp_lesson/scripts/<name>.py is the source (edit it, then `sync` writes the cell). Then
+script of that name in ddp_lesson/scripts/<role>/ is the source (edit it, then `sync` writes the
+cell; `ddp_lesson.bundled.script(name)` finds it, whatever its role folder). Then
 
     python tools/notebooks.py check   # every notebooks/*.ipynb; non-zero exit naming notebook and cell
-    python tools/notebooks.py sync    # rewrite %%writefile cells from ddp_lesson/scripts, strip outputs
+    python tools/notebooks.py sync    # rewrite %%writefile cells from the shipped scripts, strip outputs
 
 What `check` asks of every notebook: no stored outputs or execution counts; every cell has an
 id, unique in its notebook (nbformat 4.5); every `%%writefile work/<name>.py` cell writes
-exactly ddp_lesson/scripts/<name>.py (which must exist); no cell touches sys.path (what a
+exactly the shipped script <name>.py (which must exist); no cell touches sys.path (what a
 notebook needs is in the installed package).
 """
 import argparse
@@ -18,8 +19,10 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))      # this checkout's package, not another installed copy
+from ddp_lesson import bundled    # noqa: E402
+
 NOTEBOOKS = REPO / "notebooks"
-SCRIPTS = REPO / "ddp_lesson" / "scripts"
 ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")   # nbformat 4.5's rule for cell ids
 WRITEFILE_RE = re.compile(r"^%%writefile\s+work/(\S+)\s*$")
 
@@ -30,11 +33,17 @@ def source(cell):
 
 
 def writefile_target(cell):
-    """scripts/<name> for a `%%writefile work/<name>` code cell, else None."""
+    """The shipped script <name> for a `%%writefile work/<name>` code cell (a FileNotFoundError
+    saying why where there is none), else None."""
     if cell.get("cell_type") != "code":
         return None
     m = WRITEFILE_RE.match(source(cell).partition("\n")[0])
-    return SCRIPTS / m.group(1) if m else None
+    if not m:
+        return None
+    try:
+        return bundled.script(m.group(1))
+    except FileNotFoundError as e:
+        return e
 
 
 def problems(path):
@@ -72,8 +81,8 @@ def problems(path):
         target = writefile_target(cell)
         if target is None:
             continue
-        if not target.is_file():
-            out.append(f"{where}: writes {first.split()[-1]} but {target.relative_to(REPO)} does not exist")
+        if isinstance(target, FileNotFoundError):
+            out.append(f"{where}: writes {first.split()[-1]} but no such script is shipped: {target}")
         elif text.partition("\n")[2].rstrip("\n") != target.read_text().rstrip("\n"):
             out.append(f"{where}: differs from {target.relative_to(REPO)} (run `python tools/notebooks.py sync`)")
     return out
@@ -105,7 +114,7 @@ def sync(paths):
                 continue
             cell.outputs, cell.execution_count = [], None
             target = writefile_target(cell)
-            if target is not None and target.is_file():
+            if isinstance(target, Path):
                 first, _, body = source(cell).partition("\n")
                 if body.rstrip("\n") != target.read_text().rstrip("\n"):
                     cell.source = first + "\n" + target.read_text().rstrip("\n")

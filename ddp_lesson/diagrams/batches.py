@@ -9,7 +9,7 @@ it, read its position, colour and text back, and compare them with the input.
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from .shapes import DEVICE_COLOURS, box
+from .shapes import DEVICE_COLOURS, box, rank_grid
 
 __all__ = ["bn_statistics", "accumulation_windows"]
 
@@ -94,12 +94,6 @@ def accumulation_windows(rows):
             ax.texts[-1].set_gid(f"micro-text:{cell}")
     ax.set_xlim(-0.3, n + 0.1)
     ax.set_ylim(-0.4, ranks + 1.0)
-    ax.set_yticks([ranks - 1 - r + 0.35 for r in range(ranks)])
-    ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=9)
-    ax.set_xticks([k + 0.45 for k in range(n)])
-    ax.set_xticklabels([str(k + 1) for k in range(n)], fontsize=8)
-    ax.set_xlabel("micro-batch   (AR: its backward all-reduced; grey: it ran under no_sync)", fontsize=9)
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
+    rank_grid(ax, ranks, n, 0.45, "micro-batch   (AR: its backward all-reduced; grey: it ran under no_sync)")
     fig.tight_layout()
     return fig

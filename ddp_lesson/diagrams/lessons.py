@@ -10,7 +10,7 @@ list of open figures; a notebook shows one with `ddp_lesson.lesson.show(fig)`.
 """
 from matplotlib.figure import Figure
 
-from .shapes import DEVICE_COLOURS, arrow, blank, box
+from .shapes import DEVICE_COLOURS, arrow, blank, box, rank_grid
 
 __all__ = ['model_vs_data_parallel', 'data_parallel_steps', 'sampler_shares', 'ddp_timeline', 'sync_strip']
 
@@ -161,12 +161,6 @@ def sync_strip(synced):
                  alpha=0.55 if on else 0.1, fontsize=7)
     ax.set_xlim(-0.2, steps)
     ax.set_ylim(-0.2, ranks)
-    ax.set_yticks([ranks - 1 - r + 0.35 for r in range(ranks)])
-    ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=9)
-    ax.set_xticks([k + 0.4 for k in range(steps)])
-    ax.set_xticklabels([str(k + 1) for k in range(steps)], fontsize=8)
-    ax.set_xlabel("micro-batch  (AR: its backward all-reduced)", fontsize=9)
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
+    rank_grid(ax, ranks, steps, 0.4, "micro-batch  (AR: its backward all-reduced)")
     fig.tight_layout()
     return fig

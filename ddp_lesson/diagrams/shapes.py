@@ -23,3 +23,16 @@ def blank(ax, title):
     ax.set_ylim(0, 1)
     ax.axis("off")
     ax.set_title(title, fontsize=11)
+
+
+def rank_grid(ax, ranks, columns, centre, xlabel):
+    """The frame of a rank x micro-batch grid (rank 0 on top, micro-batches numbered from 1,
+    each label at `centre` within its column): the strips of 05 (sync_strip,
+    accumulation_windows) share it."""
+    ax.set_yticks([ranks - 1 - r + 0.35 for r in range(ranks)])
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=9)
+    ax.set_xticks([k + centre for k in range(columns)])
+    ax.set_xticklabels([str(k + 1) for k in range(columns)], fontsize=8)
+    ax.set_xlabel(xlabel, fontsize=9)
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lesson import data, models
-from ddp_lesson.lesson import SCRIPTS, load_script
+from ddp_lesson.lesson import load_script, script
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=2, help="2: step 1 on DDP's one bucket, step 2 on its rebuilt ones")
@@ -23,8 +23,8 @@ args = p.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-ring = load_script(SCRIPTS / "ring_allreduce.py").check(sizes=(1, 3, 7, 1000, 1001, 4096 * world + 1))
-ddp_scratch = load_script(SCRIPTS / "ddp_scratch.py")
+ring = load_script(script("ring_allreduce.py")).check(sizes=(1, 3, 7, 1000, 1001, 4096 * world + 1))
+ddp_scratch = load_script(script("ddp_scratch.py"))
 torch.manual_seed(rank)                    # different initial weights on every rank, as ddp_scratch.py
 base = models.SmallCNN(norm=False)
 x, y = data.shapes(16 * args.steps, seed=100 + rank).tensors
@@ -38,7 +38,7 @@ for name, path in (a.split("=", 1) for a in args.bucketed):
 rows = [None] * world
 dist.all_gather_object(rows, ring)
 out["ring"] = rows
-ddp_collectives = load_script(SCRIPTS / "ddp_collectives.py")
+ddp_collectives = load_script(script("ddp_collectives.py"))
 counted, expected = {}, {}
 for name, batchnorm, options in [("BatchNorm", True, {}), ("no buffers", False, {}),
                                  ("find_unused_parameters=True", False, {"find_unused_parameters": True})]:

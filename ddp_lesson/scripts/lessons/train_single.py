@@ -22,6 +22,8 @@ def parse_args():
     p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
     p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     return p.parse_args()
 
 
@@ -43,11 +45,11 @@ def main():
     device = torch.device("cuda:0" if use_cuda else "cpu")
     torch.manual_seed(args.seed)
 
-    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
-    test_set = data.shapes_split(train=False)
+    train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
+    test_set = data.get(args.dataset, train=False, root=args.data_root)
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
 
-    model = models.SmallCNN().to(device)
+    model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
@@ -77,7 +79,7 @@ def main():
     ckpt = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "model.pt")
     torch.save(model.state_dict(), ckpt)
     state = torch.load(ckpt, map_location=device, weights_only=True)
-    plain = models.SmallCNN().to(device)
+    plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     plain.load_state_dict(state)
 
 

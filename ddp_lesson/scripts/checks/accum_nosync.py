@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data, models
+from ddp_lesson import bundled, data, models
 
 K, B, STEPS = 4, 8, 3
 
@@ -135,9 +135,8 @@ def window_rows(base, loop, n=10, k=K):
 
 def ddp_accum_loop():
     """`accumulate` from the ddp_accum.py named by --loop PATH (the learner's copy), else from
-    the sibling script."""
-    path = sys.argv[sys.argv.index("--loop") + 1] if "--loop" in sys.argv else \
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_accum.py")
+    the lesson script."""
+    path = sys.argv[sys.argv.index("--loop") + 1] if "--loop" in sys.argv else bundled.script("ddp_accum.py")
     spec = importlib.util.spec_from_file_location("ddp_accum_checked", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)              # its main() runs only as a script
@@ -185,8 +184,8 @@ def main():
     if rank == 0:
         with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "accum.json"), "w") as f:
             json.dump(out, f, indent=1)
-    from ex_no_sync import run_placements  # a sibling script: one launch instead of two
-    run_placements(torch.device("cpu"))
+    exercise = bundled.load(bundled.script("ex_no_sync.py"))   # the exercise's script: one launch instead of two
+    exercise.run_placements(torch.device("cpu"))
     dist.destroy_process_group()
 
 

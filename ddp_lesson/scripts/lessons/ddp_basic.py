@@ -1,4 +1,4 @@
-"""Notebook 03: DistributedDataParallel, one process per device, launched by torchrun.
+"""Notebook 03: DistributedDataParallel, launched by torchrun; the course's reference loop (the demo).
 
     torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
@@ -27,7 +27,11 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
     p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms each step")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="a straggler on purpose")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     return p.parse_args()
 
 
@@ -66,15 +70,16 @@ def main():
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
 
-    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
-    test_set = data.shapes_split(train=False)
+    train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
+    test_set = data.get(args.dataset, train=False, root=args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-    model = models.SmallCNN().to(device)
+    model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # course: times each step; its comm hook averages gradients exactly as DDP's default does.
+    # course: times each step; its comm hook (a function DDP calls to all-reduce the
+    # gradients) averages them exactly as DDP's default does.
     # Not needed in your code. Only one hook per model: drop this line to add yours.
     timer = metrics.StepTimer(model)
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
@@ -88,6 +93,7 @@ def main():
             x, y = x.to(device), y.to(device)
             out = model(x)
             loss = F.cross_entropy(out, y)
+            if rank == args.slow_rank: time.sleep(args.slow_ms / 1000)  # a straggler on purpose
             opt.zero_grad(set_to_none=True)
             loss.backward()  # DDP: gradients are averaged over ranks during backward
             opt.step()
@@ -111,7 +117,7 @@ def main():
         torch.save(model.module.state_dict(), ckpt)
     dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
-    plain = models.SmallCNN().to(device)
+    plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
     dist.destroy_process_group()  # DDP
 

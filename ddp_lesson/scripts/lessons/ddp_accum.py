@@ -31,6 +31,8 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-bn", action="store_true", help="not type=bool: bool('False') is True")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
+    p.add_argument("--data-root", default="data", help="where cifar10 is, in torchvision's format")
     return p.parse_args()
 
 
@@ -90,12 +92,12 @@ def main():
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
 
-    train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
-    test_set = data.shapes_split(train=False)
+    train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
+    test_set = data.get(args.dataset, train=False, root=args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-    model = models.SmallCNN().to(device)
+    model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
         if device.type == "cuda":  # PyTorch's SyncBatchNorm: statistics gathered over nccl
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -103,7 +105,8 @@ def main():
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # course: times each step; its comm hook averages gradients exactly as DDP's default does.
+    # course: times each step; its comm hook (a function DDP calls to all-reduce the
+    # gradients) averages them exactly as DDP's default does.
     # Not needed in your code. Only one hook per model: drop this line to add yours.
     timer = metrics.StepTimer(model)
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
@@ -134,7 +137,7 @@ def main():
         torch.save(model.module.state_dict(), ckpt)
     dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
-    plain = models.SmallCNN().to(device)
+    plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
     dist.destroy_process_group()  # DDP
 

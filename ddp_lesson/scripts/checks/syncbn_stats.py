@@ -14,12 +14,11 @@ ranks. Notebook 04 draws them (diagrams.bn_statistics).
 Then, in the same launch (one launch instead of three), the two runs notebook 04 compares
 with ddp_syncbn.py --sync-bn, with plain BatchNorm: one process on the global batch of
 b x world (rank 0 alone, the other ranks wait), then DDP on every rank with b each. They run
-`train` below, a copy of the training loop of the reference scripts/ddp_syncbn.py (data, order,
+`train` below, a copy of the training loop of the lesson script lessons/ddp_syncbn.py (data, order,
 seeds, optimizer, lr warm-up, its `evaluate`), without its step timer, logging and checkpoint:
 an edit to notebook 04's work/ddp_syncbn.py does not reach them. Writes reference_runs.json.
     torchrun --standalone --nproc-per-node 2 syncbn_stats.py --batch-size 4 --epochs 2
 """
-import argparse
 import copy
 import json
 import os
@@ -33,18 +32,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, models, syncbn
+from ddp_lesson import bundled, data, models, syncbn
 
 
-def parse_args():  # ddp_syncbn.py's training options and defaults (without --sync-bn)
-    p = argparse.ArgumentParser()
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank: b")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
-    p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+LESSON = bundled.load(bundled.script("ddp_syncbn.py"))  # the lesson script (not work/'s copy), for `train`
+
+
+def parse_args():
+    """ddp_syncbn.py's own options and defaults, so that `train` copies a run of it (--batch-size is b)."""
+    return LESSON.parse_args()
 
 
 def step_ms(model, x, y, steps=5):
@@ -134,7 +130,7 @@ def train(model, train_set, sampler, batch, args, device, accuracy):
 
 def reference_runs(args, rank, world, device, ids):
     """Section 3's two reference runs (the module's docstring); only rank 0's result has both."""
-    from ddp_syncbn import evaluate  # the reference script's evaluation (scripts/ is on sys.path, not work/)
+    evaluate = LESSON.evaluate
 
     train_set = Subset(data.shapes_split(train=True), range(args.train_samples))
     test_set = data.shapes_split(train=False)

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import ddp_checks        # siblings in ddp_lesson/scripts (the launcher puts that folder on sys.path)
+import ddp_checks        # siblings in ddp_lesson/scripts/checks (the launcher puts that folder on sys.path)
 import ddp_equivalence
 import find_unused
 
