@@ -73,13 +73,24 @@ def log(step, **values):
 
 def log_process(step=0, **values):
     """One row about this rank's process, for 00's process-tree picture: its pid, its parent's
-    (the torchrun agent), its local rank, the world size, the ranks' store and the ports the
+    (the torchrun agent) and the agent's parent (the kernel, or the warm process that forked
+    the agent for it), its local rank, the world size, the ranks' store and the ports the
     agent listens on (the rendezvous store and, by default, the ranks' store too)."""
     agent = os.getppid()
-    log(step, pid=os.getpid(), parent=agent, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    log(step, pid=os.getpid(), parent=agent, agent_parent=parent_of(agent),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
         agent_ports=listening_ports(agent), **values)
+
+
+def parent_of(pid):
+    """The parent's pid of process `pid` (proc(5) stat field 4), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def listening_ports(pid):
