@@ -31,7 +31,7 @@ from pathlib import Path
 import ipywidgets as W
 from IPython.display import Image, display, update_display
 
-from . import BadInput, devices, monitor, plots
+from . import BadInput, devices, launch, monitor, plots
 
 STATUS_COLORS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e",
                  "interrupted": "#9a6700", "timeout": "#cf222e", "bad input": "#cf222e",
