@@ -140,6 +140,15 @@ def test_glossary_alphabetical_complete_and_linked():
         links = re.findall(r"\]\(\.\./notebooks/([^)]+)\)", body)
         assert links, name                                                     # says where it is taught
         assert all((ROOT / "notebooks" / link).exists() for link in links), (name, links)
+        # "[00](...), sections 1 and 3" / "section 1 and appendix B": each named part exists there
+        for link, where in re.findall(r"\]\(\.\./notebooks/([^)]+)\),? ((?:(?:sections?|appendix) [0-9A-Z]+(?:,| and| or)? ?)+)", body):
+            headings = [line for cell in json.loads((ROOT / "notebooks" / link).read_text())["cells"]
+                        if cell["cell_type"] == "markdown" for line in "".join(cell["source"]).splitlines()
+                        if line.startswith("#")]
+            for kind, number in re.findall(r"(section|appendix)s? ((?:[0-9A-Z]+(?:,| and| or)? ?)+)", where):
+                for n in re.findall(r"[0-9A-Z]+", number):
+                    pattern = rf"^##+ {n}(\.| ·) " if kind == "section" else rf"^###+ {n}\. "
+                    assert any(re.match(pattern, h) for h in headings), (name, link, kind, n)
     assert "per-rank batch × world size × accumulation steps" in text and "effective batch" not in text
 
 
