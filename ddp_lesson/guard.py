@@ -110,17 +110,20 @@ def sweep():
         found += procs.run_processes(run_dir, token=token)
     procs.kill_all(found)
     procs.wait_gone(found, timeout=5)
-    _reap()
+    for _ in reaped():   # a subreaper inherits orphans: collect their exit statuses
+        pass
 
 
-def _reap():
-    while True:  # a subreaper inherits orphans: collect their exit statuses
+def reaped():
+    """(pid, exit status as Popen gives it) of each child that has ended, without waiting."""
+    while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def _write_failures(data):

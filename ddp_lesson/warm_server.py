@@ -183,16 +183,10 @@ def serve(listener):
 
 
 def _reap(agents):
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, code in guard.reaped():
         conn = agents.pop(pid, None)
         if conn is not None:
-            _reply(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            _reply(conn, {"exit": code})
             conn.close()
 
 

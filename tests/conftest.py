@@ -5,6 +5,10 @@
 - `repo_env`: an environment for child processes that can import ddp_lesson from this
   checkout, without any DDP_LESSON_* variables inherited from the caller.
 - `kernel_sigint`: SIGINT raises KeyboardInterrupt during the test, whatever was inherited.
+- `launch_mode` (module scope, "warm" then "cold") and `launches_went_that_way`: a test module
+  that uses both (`pytestmark = pytest.mark.usefixtures(...)`) runs every test with warm launches
+  and again cold (DDP_LESSON_COLD=1, which its child launchers inherit), and fails a test whose
+  runs under tmp_path went the other way.
 - `signal_points(fn, at=...)`: runs fn() with an Interrupt delivered at one chosen point
   where CPython could deliver it, so code can be checked against every such point in turn.
 - `no_leftover_processes` (autouse): after every test, no process whose
@@ -15,6 +19,7 @@
 """
 import dis
 import functools
+import json
 import os
 import shutil
 import signal
@@ -143,6 +148,24 @@ def child_env(**extra):
 def cli(*args):
     """argv for the command line in a fresh interpreter."""
     return [sys.executable, "-m", "ddp_lesson", *map(str, args)]
+
+
+@pytest.fixture(scope="module", params=["warm", "cold"])
+def launch_mode(request):
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "cold":
+            mp.setenv("DDP_LESSON_COLD", "1")
+        else:
+            mp.delenv("DDP_LESSON_COLD", raising=False)
+        yield request.param
+
+
+@pytest.fixture
+def launches_went_that_way(launch_mode, tmp_path):
+    yield
+    for config in tmp_path.rglob("config.json"):
+        mode = (json.loads(config.read_text()).get("launch") or {}).get("mode")
+        assert mode == launch_mode, f"{config}: launched {mode}, not {launch_mode}"
 
 
 @pytest.fixture

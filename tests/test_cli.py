@@ -33,6 +33,8 @@ import pytest
 from conftest import SCRIPTS, child_env, cli, processes_under, wait_until
 from ddp_lesson import procs
 
+pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")  # warm, then cold
+
 
 def run_cli(args, cwd, timeout=120):
     return subprocess.run(cli(*args), cwd=cwd, env=child_env(), capture_output=True, text=True,

@@ -36,27 +36,11 @@ import pytest
 
 from conftest import REPO, SCRIPTS, child_env, processes_under, wait_until
 from ddp_lesson import launch, procs, runs
+
+pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")
 from ddp_lesson.bundled import script
 
 RESUME = script("resume.py")
-
-
-@pytest.fixture(scope="module", params=["warm", "cold"], autouse=True)
-def launch_mode(request):
-    with pytest.MonkeyPatch.context() as mp:
-        if request.param == "cold":
-            mp.setenv(launch.COLD_ENV, "1")
-        else:
-            mp.delenv(launch.COLD_ENV, raising=False)
-        yield request.param
-
-
-@pytest.fixture(autouse=True)
-def launches_went_that_way(launch_mode, tmp_path):
-    yield
-    for config in tmp_path.rglob("config.json"):
-        mode = json.loads(config.read_text()).get("launch", {}).get("mode")
-        assert mode == launch_mode, f"{config}: launched {mode}, not {launch_mode}"
 
 
 def ranks_ready(run_dir, nproc=2, word="ready"):

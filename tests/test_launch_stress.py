@@ -24,6 +24,8 @@ import pytest
 from conftest import SCRIPTS, child_env, processes_under, wait_until
 from ddp_lesson import launch
 
+pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")  # warm, then cold
+
 TINY = "import time\nprint('ready', flush=True)\ntime.sleep(300)\n"
 
 
@@ -89,6 +91,7 @@ run = launch.start(sys.argv[1], nproc=int(sys.argv[3]), cpu=True, run_dir=sys.ar
                    args=sys.argv[5:])
 print(run.pid, flush=True)
 import time
+
 time.sleep(300)
 """
 
