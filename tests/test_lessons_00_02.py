@@ -260,3 +260,25 @@ def test_02_sum_then_divide_weights_come_from_the_fix_itself():
     for planted in ('return (out["sum"] / out["count"]).mean()', 'return out["sum"].sum() / len(out["count"])'):
         with pytest.raises(AssertionError):
             _run_02_weights_cell(planted)
+
+
+def _run_01_wrapped_optimizer_cell(planted=None):
+    "01's wrapped-optimizer cell; `planted` replaces what net_b steps through."
+    by_id = {c.get("id"): source(c) for c in cells("01_data_parallel.ipynb")}
+    text = by_id["a5c0ccc9"]
+    pair = "(net_b, wrapped_opt.module)"
+    assert pair in text
+    if planted:
+        text = text.replace(pair, planted)
+    ns = {"print": lambda *a, **k: None}
+    exec("import copy, torch\nimport torch.nn.functional as F\nfrom torch import nn\n" + text, ns)
+    return ns
+
+
+def test_01_wrapped_optimizer_cell_steps_through_the_wrapper():
+    if torch.cuda.device_count() == 1:
+        pytest.skip("on a 1-GPU machine nn.DataParallel(optimizer) fails at construction")
+    assert _run_01_wrapped_optimizer_cell()["wrapped_opt"] is not None
+    # a wrapper holding a copy of the optimizer would step other tensors: the check sees it
+    with pytest.raises(AssertionError):
+        _run_01_wrapped_optimizer_cell("(net_b, copy.deepcopy(wrapped_opt.module))")
