@@ -391,3 +391,34 @@ def test_04_step_by_step_check_rejects_a_script_that_never_converts(tmp_path):
     assert max(abs(a - b) for a, b in zip(loss, plain)) < 1e-5       # the planted run is plain BN
     with pytest.raises(AssertionError, match="SyncBN vs one process"):
         ns["check_step_by_step"](loss, one, plain, 2)
+
+
+@pytest.mark.parametrize("mistake", [None, "two seeds", "no set_epoch"])
+def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path, mistake):
+    # 03 cell 03-06 checks the shards ddp_basic.py logs; here it meets each mistake, planted
+    from ddp_lesson import runs
+    text = (SCRIPTS / "ddp_basic.py").read_text()
+    old, new = {None: ("", ""),
+                "two seeds": ("seed=args.seed)  # DDP: a shard", "seed=args.seed + rank)  # DDP: a shard"),
+                "no set_epoch": ("        sampler.set_epoch(epoch)", "        pass")}[mistake]
+    assert mistake is None or text.count(old) == 1
+    script = tmp_path / "planted.py"
+    script.write_text(text.replace(old, new))
+    run = launch.start(script, nproc=2, cpu=True, run_dir=tmp_path / "run",
+                       args=["--epochs", "2", "--train-samples", "128", "--batch-size", "16"])
+    try:
+        result = run.wait(timeout=300)
+    finally:
+        run.stop()
+    assert result and result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
+    cell = next(c for c in json.loads((ROOT_NB / "03_ddp_torchrun.ipynb").read_text())["cells"]
+                if c.get("id") == "03-06")
+    text = "".join(cell["source"])
+    ns = {}
+    exec(text[text.index("def check_shards("):text.index("\n\n\n")], ns)
+    rows = runs.load(run.run_dir).rows
+    if mistake is None:                          # the lesson's script passes the same check
+        ns["check_shards"](rows, 2, 128)
+        return
+    with pytest.raises(AssertionError, match="sampler seed" if mistake == "two seeds" else "set_epoch"):
+        ns["check_shards"](rows, 2, 128)

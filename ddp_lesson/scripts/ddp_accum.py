@@ -114,6 +114,7 @@ def main():
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        metrics.log(step, epoch=epoch, shard=list(sampler))  # course: for the shard check
         t0 = time.perf_counter()
         batches = timer.timed(loader)  # timed: data_s
         for i, out, y, loss in accumulate(model, opt, sched, batches, args.accum_steps, len(loader), device):

@@ -85,6 +85,7 @@ def main():
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        metrics.log(step, epoch=epoch, shard=list(sampler))  # course: for the shard check
         t0 = time.perf_counter()
         for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
             x, y = x.to(device), y.to(device)
