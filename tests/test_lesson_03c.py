@@ -257,3 +257,37 @@ def test_tf32_rounding_moves_smallcnn_outputs_well_inside_the_near_tie_margin():
     error = (emulated.double() - exact).abs().max().item()
     margin = 0.003 * exact.abs().max().item()
     assert 0 < error < margin / 4, (error, margin)
+
+
+def _run_twice_cell(planted=None):
+    "Section 3's cell run after section 1's, with its all_reduce stand-in replaced by `planted`."
+    ns = {"print": lambda *a, **k: None}
+    for cell_id in ("03c-01", "903f13ff"):          # imports, then section 1's net and `even`
+        exec(source(next(c for c in cells() if c.get("id") == cell_id)), ns)
+    text = source(next(c for c in cells() if c.get("id") == "03c-twice"))
+    call = "by_hand = reduced_by_hand(sizes, all_reduce_in_place)"
+    assert call in text
+    if planted is not None:
+        ns["planted"] = planted
+        text = text.replace(call, "by_hand = reduced_by_hand(sizes, planted)")
+    exec(text, ns)
+    return ns
+
+
+def test_twice_cell_measures_autograd_and_fails_when_the_all_reduce_is_seen_or_missing():
+    ns = _run_twice_cell()
+    assert torch.allclose(ns["by_hand"] * 2, ns["even"])
+
+    def recorded(losses):           # an all-reduce autograd sees, as torch.distributed.nn's: d total / d own = world
+        world, total = len(losses), sum(loss.detach() for loss in losses)
+        losses[:] = [world * loss - (world * loss).detach() + total for loss in losses]
+
+    def missing(losses):            # no all-reduce at all: each rank logs its own loss / world
+        pass
+
+    for planted in (recorded, missing):   # the first fails the gradient check, the second the value check
+        with pytest.raises(AssertionError):
+            _run_twice_cell(planted)
+    # the recorded one is what makes the gradient right: the check's claim is about autograd
+    ns = _run_twice_cell()
+    assert torch.allclose(ns["reduced_by_hand"]([5, 5], recorded), ns["even"])

@@ -246,3 +246,49 @@ def test_dp_chunk_sizes_solution(batch, devices):
 
 # -- form: lesson first, fine print folded -----------------------------------------------------
 
+
+
+def _run_02_weights_cell(planted=None):
+    "02's cells up to the weights picture, with sum_then_divide's last line replaced by `planted`."
+    by_id = {c.get("id"): source(c) for c in cells("02_loss_averaging.ipynb")}
+    fix = by_id["d17e063d"]
+    line = 'return out["sum"].sum() / out["count"].sum()'
+    assert line in fix
+    if planted:
+        fix = fix.replace(line, planted)
+    ns = {"print": lambda *a, **k: None}
+    for text in (by_id["dbecf065"], by_id["6b116ce2"], fix):
+        exec(text, ns)
+    ns["show"] = lambda fig: None
+    exec(by_id["1f3aea3a"], ns)
+    return ns
+
+
+def test_02_sum_then_divide_weights_come_from_the_fix_itself():
+    assert torch.allclose(_run_02_weights_cell()["w_fix"], torch.full((3,), 1 / 3, dtype=torch.float64))
+    # the fix's own mistakes make the weights check fail: a mean of the devices' means, a count of devices
+    for planted in ('return (out["sum"] / out["count"]).mean()', 'return out["sum"].sum() / len(out["count"])'):
+        with pytest.raises(AssertionError):
+            _run_02_weights_cell(planted)
+
+
+def _run_01_wrapped_optimizer_cell(planted=None):
+    "01's wrapped-optimizer cell; `planted` replaces what net_b steps through."
+    by_id = {c.get("id"): source(c) for c in cells("01_data_parallel.ipynb")}
+    text = by_id["a5c0ccc9"]
+    pair = "(net_b, wrapped_opt.module)"
+    assert pair in text
+    if planted:
+        text = text.replace(pair, planted)
+    ns = {"print": lambda *a, **k: None}
+    exec("import copy, torch\nimport torch.nn.functional as F\nfrom torch import nn\n" + text, ns)
+    return ns
+
+
+def test_01_wrapped_optimizer_cell_steps_through_the_wrapper():
+    if torch.cuda.device_count() == 1:
+        pytest.skip("on a 1-GPU machine nn.DataParallel(optimizer) fails at construction")
+    assert _run_01_wrapped_optimizer_cell()["wrapped_opt"] is not None
+    # a wrapper holding a copy of the optimizer would step other tensors: the check sees it
+    with pytest.raises(AssertionError):
+        _run_01_wrapped_optimizer_cell("(net_b, copy.deepcopy(wrapped_opt.module))")

@@ -39,6 +39,7 @@ from ddp_lesson.bundled import script
 
 REPO = Path(__file__).resolve().parent.parent
 
+ROOT_NB = Path(__file__).resolve().parent.parent / "notebooks"
 TINY = ["--epochs", "1", "--train-samples", "256", "--batch-size", "16"]
 
 
@@ -359,3 +360,68 @@ def test_step_timer_is_the_models_one_comm_hook(monkeypatch):
                 model.register_comm_hook(None, default_hooks.allreduce_hook)
     finally:
         dist.destroy_process_group()
+
+
+def test_04_step_by_step_check_rejects_a_script_that_never_converts(tmp_path):
+    # 04 cell 04-11 always compares a CPU run with section 1's reference runs; here its check
+    # meets ddp_syncbn.py with the conversion planted out: --sync-bn then trains plain BN.
+    from ddp_lesson import plots, runs
+    opts = ["--epochs", "1", "--batch-size", "4", "--lr", "0.02", "--train-samples", "64", "--seed", "0"]
+    text = script("ddp_syncbn.py").read_text()
+    convert = "    if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP\n"
+    assert convert in text
+    planted = tmp_path / "no_convert.py"
+    planted.write_text(text.replace(convert, "    if False:  # planted: never converts\n"))
+    started = {"ref": launch.start(script("syncbn_stats.py"), nproc=2, cpu=True, run_dir=tmp_path / "ref",
+                                   args=opts),
+               "planted": launch.start(planted, nproc=2, cpu=True, run_dir=tmp_path / "planted",
+                                       args=opts + ["--sync-bn"])}
+    try:
+        for name, run in started.items():
+            result = run.wait(timeout=400)
+            assert result and result["status"] == "ok", (name, result, run.log_tail(0, 30, "stderr"))
+    finally:
+        for run in started.values():
+            run.stop()
+    ref = json.loads((tmp_path / "ref" / "reference_runs.json").read_text())
+    _, (_, loss) = plots.series(runs.load(started["planted"].run_dir).rows, "loss")
+    cell = next(c for c in json.loads((ROOT_NB / "04_sync_batchnorm.ipynb").read_text())["cells"]
+                if c.get("id") == "04-11")
+    text = "".join(cell["source"])
+    ns = {}
+    exec(text[text.index("def check_step_by_step("):text.index("\n\n\n")], ns)
+    one, plain = ref["runs"]["1 process"]["loss"], ref["runs"]["DDP, BN"]["loss"]
+    assert max(abs(a - b) for a, b in zip(loss, plain)) < 1e-5       # the planted run is plain BN
+    with pytest.raises(AssertionError, match="SyncBN vs one process"):
+        ns["check_step_by_step"](loss, one, plain, 2)
+
+
+@pytest.mark.parametrize("mistake", [None, "two seeds", "no set_epoch"])
+def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path, mistake):
+    # 03 cell 03-06 checks the shards ddp_basic.py logs; here it meets each mistake, planted
+    from ddp_lesson import runs
+    text = script("ddp_basic.py").read_text()
+    old, new = {None: ("", ""),
+                "two seeds": ("seed=args.seed)  # DDP: a shard", "seed=args.seed + rank)  # DDP: a shard"),
+                "no set_epoch": ("        sampler.set_epoch(epoch)", "        pass")}[mistake]
+    assert mistake is None or text.count(old) == 1
+    script = tmp_path / "planted.py"
+    script.write_text(text.replace(old, new))
+    run = launch.start(script, nproc=2, cpu=True, run_dir=tmp_path / "run",
+                       args=["--epochs", "2", "--train-samples", "128", "--batch-size", "16"])
+    try:
+        result = run.wait(timeout=300)
+    finally:
+        run.stop()
+    assert result and result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
+    cell = next(c for c in json.loads((ROOT_NB / "03_ddp_torchrun.ipynb").read_text())["cells"]
+                if c.get("id") == "03-06")
+    text = "".join(cell["source"])
+    ns = {}
+    exec(text[text.index("def check_shards("):text.index("\n\n\n")], ns)
+    rows = runs.load(run.run_dir).rows
+    if mistake is None:                          # the lesson's script passes the same check
+        ns["check_shards"](rows, 2, 128)
+        return
+    with pytest.raises(AssertionError, match="sampler seed" if mistake == "two seeds" else "set_epoch"):
+        ns["check_shards"](rows, 2, 128)

@@ -37,8 +37,9 @@ def parse_args():
 
 def evaluate(model, test_set, rank, world_size, device):
     # DDP: a plain split rank::world_size counts every test sample once; a DistributedSampler
-    # would pad it with duplicates. model(x) is DDP's forward, and its first call here sends
-    # rank 0's copy to every rank: a collective, so every rank needs at least one test batch.
+    # would pad it with duplicates. model(x) is DDP's forward: its first call here may send
+    # rank 0's buffers to every rank (03b's buffer rule). That is a collective, so every rank
+    # needs at least one test batch; without one the others hang, or on gloo abort.
     shard = Subset(test_set, range(rank, len(test_set), world_size))
     model.eval()
     counts = torch.zeros(2, device=device)  # [correct, seen] on this rank
@@ -88,6 +89,7 @@ def main():
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
+        metrics.log(step, epoch=epoch, shard=list(sampler))  # course: for the shard check
         t0 = time.perf_counter()
         for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
             x, y = x.to(device), y.to(device)

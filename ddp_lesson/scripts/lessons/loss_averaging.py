@@ -64,7 +64,8 @@ def main():
     test_set = data.shapes(args.n_test, seed=1)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     # The sampler gives every rank ceil(N / world_size) samples, so the ranks' batches are equal at
-    # every step and DDP's average is exact; drop_last=True only drops each rank's short last batch.
+    # every step and DDP's average is exact, apart from the sampler's padding (duplicates count
+    # twice); drop_last=True only drops each rank's short last batch.
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     model = models.SmallCNN(norm=False, width=8).to(device)
