@@ -30,7 +30,7 @@ from .warm_server import FOR_ENV, PAD_BYTES, PAD_ENV, fingerprint
 # when a process group or a rendezvous is made. OMP_NUM_THREADS is applied again in each rank.
 START_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
              "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "LD_PRELOAD", "LD_LIBRARY_PATH",
-             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LOGLEVEL")   # LOGLEVEL: torch.distributed.elastic's logger
 START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_")
 READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10

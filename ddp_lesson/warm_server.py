@@ -10,6 +10,7 @@ It holds one thread whenever it forks (it checks), never initializes CUDA, impor
 package only the guard (nothing a learner edits), and dies with the process that started it.
 Standard library and torch only, like the ranks it starts.
 """
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -203,6 +204,9 @@ def main(argv=None):
     os.close(devnull)
     for name in PRELOAD:
         importlib.import_module(name)
+    # what is here now is shared by every fork: the collector leaves it alone (no copy-on-write
+    # of its pages) and gc.get_objects() in a fork lists only what came after (guard's scans)
+    gc.freeze()
     torch = sys.modules["torch"]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
