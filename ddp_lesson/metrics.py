@@ -30,6 +30,7 @@ compute. DDP_LESSON_STEP_TIMES=0 turns the timer off (lap() returns {}), for ben
 import json
 import math
 import os
+import sys
 import time
 
 from . import rundir
@@ -77,11 +78,21 @@ def log_process(step=0, **values):
     the agent for it), its local rank, the world size, the ranks' store and the ports the
     agent listens on (the rendezvous store and, by default, the ranks' store too)."""
     agent = os.getppid()
-    log(step, pid=os.getpid(), parent=agent, agent_parent=parent_of(agent),
+    log(step, pid=os.getpid(), parent=agent, agent_parent=parent_of(agent), program=program(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
         agent_ports=listening_ports(agent), **values)
+
+
+def program():
+    """This process's command line as the OS shows it: what it was started as. A forked process
+    shows the one it was copied from (a warm launch's ranks: the warm process's)."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
+    except OSError:
+        return " ".join(sys.argv)
 
 
 def parent_of(pid):

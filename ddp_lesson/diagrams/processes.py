@@ -73,7 +73,7 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
     arrow(ax, 0.17, 0.80, 0.17, 0.645)
     _tag(ax, "start:agent")
     ax.text(0.18, 0.72, "starts" if warm_pid is None else
-            f"starts: its warm process\n(pid {warm_pid}, torch imported)\nforks the agent", fontsize=8)
+            f"asks its warm process\n(pid {warm_pid}, torch imported),\nwhich forks the agent", fontsize=8)
     if rdzv_ports:
         box(ax, 0.35, 0.60, 0.28, 0.10, "rendezvous store: the agents meet\nport "
             + ", ".join(map(str, rdzv_ports)), "black", alpha=0.03, fontsize=8)
