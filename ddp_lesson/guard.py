@@ -142,9 +142,34 @@ def _record_agent_exit(e):
         rows = [{"rank": int(rank), "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
                  "error_file": f.error_file, "timestamp": f.timestamp, "message": f.message}
                 for rank, f in sorted(e.failures.items())]
+        if forked() and rows:
+            rows += _other_forked_failures(rows)
         _write_failures({"failures": rows, "time": time.time()})
     elif type(e).__name__ == "SignalException":
         _write_failures({"signal": getattr(e, "sigval", signal.SIGTERM).name, "time": time.time()})
+
+
+def _other_forked_failures(rows):
+    """With forked workers torch reports one failure, the first its poll finds, not the first
+    that happened: a rank killed by SIGKILL can lose to the peer that raised "connection closed"
+    because of it. A subprocess agent reports every failed worker; here the others come from
+    multiprocessing's records of the workers (their local index is torch's `_wrap` argument)."""
+    import multiprocessing.process
+    known = {r["local_rank"] for r in rows}
+    first = rows[0]
+    extra = []
+    for proc in gc.get_objects():
+        if not isinstance(proc, multiprocessing.process.BaseProcess):
+            continue
+        args = getattr(proc, "_args", ())
+        local = args[1] if len(args) > 1 and isinstance(args[1], int) else None
+        code = proc.exitcode if proc.pid != os.getpid() else None
+        if local is None or local in known or code in (None, 0):
+            continue
+        extra.append({"rank": first["rank"] - first["local_rank"] + local, "local_rank": local,
+                      "pid": proc.pid, "exitcode": code, "error_file": None,
+                      "timestamp": first["timestamp"], "message": ""})
+    return extra
 
 
 def run_agent(argv):

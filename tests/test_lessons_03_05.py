@@ -115,7 +115,8 @@ def test_single_to_ddp_diff_is_the_ddp_lines():
                    "destroy_process_group", "dist.all_reduce(counts)", "@record", "if rank == 0"):
         assert needle in added and needle not in removed, needle
     assert "shuffle=True" in removed          # the sampler shuffles instead of the loader
-    assert sum(l[:1] in "+-" for l in diff) <= 80
+    # the DDP lines, the course's `# course` lines 03 names, and 06's straggler switch (3 lines)
+    assert sum(l[:1] in "+-" for l in diff) <= 84
 
 
 def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():
@@ -405,9 +406,9 @@ def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path
                 "two seeds": ("seed=args.seed)  # DDP: a shard", "seed=args.seed + rank)  # DDP: a shard"),
                 "no set_epoch": ("        sampler.set_epoch(epoch)", "        pass")}[mistake]
     assert mistake is None or text.count(old) == 1
-    script = tmp_path / "planted.py"
-    script.write_text(text.replace(old, new))
-    run = launch.start(script, nproc=2, cpu=True, run_dir=tmp_path / "run",
+    planted = tmp_path / "planted.py"
+    planted.write_text(text.replace(old, new))
+    run = launch.start(planted, nproc=2, cpu=True, run_dir=tmp_path / "run",
                        args=["--epochs", "2", "--train-samples", "128", "--batch-size", "16"])
     try:
         result = run.wait(timeout=300)

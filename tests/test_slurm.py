@@ -194,6 +194,7 @@ KERNEL_LIKE = r'''
 import json, os, sys
 from pathlib import Path
 from ddp_lesson import launch, runs, world
+from ddp_lesson.bundled import script
 assert os.environ["SLURM_JOB_ID"] and os.environ["RANK"] == "5"  # inside an allocation, vars leaked in
 run = launch.start(script("rank_table.py"), nproc=2, cpu=True,
                    run_dir=sys.argv[1], timeout=240)
