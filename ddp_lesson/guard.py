@@ -153,21 +153,26 @@ def _other_forked_failures(rows):
     """With forked workers torch reports one failure, the first its poll finds, not the first
     that happened: a rank killed by SIGKILL can lose to the peer that raised "connection closed"
     because of it. A subprocess agent reports every failed worker; here the others come from
-    multiprocessing's records of the workers (their local index is torch's `_wrap` argument)."""
+    multiprocessing's records of this agent's workers. An attempt's workers are created in
+    local-rank order, so their creation numbers (in their names, "ForkProcess-N") give the rank."""
     import multiprocessing.process
-    known = {r["local_rank"] for r in rows}
-    first = rows[0]
-    extra = []
+    workers = {}
     for proc in gc.get_objects():
-        if not isinstance(proc, multiprocessing.process.BaseProcess):
-            continue
-        args = getattr(proc, "_args", ())
-        local = args[1] if len(args) > 1 and isinstance(args[1], int) else None
-        code = proc.exitcode if proc.pid != os.getpid() else None
-        if local is None or local in known or code in (None, 0):
+        if issubclass(type(proc), multiprocessing.process.BaseProcess) and proc.pid != os.getpid():
+            number = proc.name.rsplit("-", 1)[-1].split(":")[-1]
+            if number.isdigit():
+                workers[int(number)] = proc
+    first = rows[0]
+    known = next((n for n, proc in workers.items() if proc.pid == first["pid"]), None)
+    if known is None:
+        return []
+    extra, reported = [], {r["local_rank"] for r in rows}
+    for number, proc in workers.items():
+        local = first["local_rank"] + number - known
+        if local < 0 or local in reported or proc.exitcode in (None, 0):
             continue
         extra.append({"rank": first["rank"] - first["local_rank"] + local, "local_rank": local,
-                      "pid": proc.pid, "exitcode": code, "error_file": None,
+                      "pid": proc.pid, "exitcode": proc.exitcode, "error_file": None,
                       "timestamp": first["timestamp"], "message": ""})
     return extra
 

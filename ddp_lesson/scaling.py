@@ -5,7 +5,7 @@ and all-reduce, and a two-term model that predicts the speed-up; all measured in
 
 One launch per rank count. Every rank trains SmallCNN on the built-in `shapes` data with
 a fixed per-rank batch, so an epoch of the same data takes 1/n of the steps on n ranks
-(the setting of the s/epoch figures in the blog posts the course grew from). In each launch rank 0 of scripts/scaling_worker.py reports:
+(the setting of the s/epoch figures in the blog posts the course grew from). In each launch rank 0 of scripts/workers/scaling_worker.py reports:
 - epoch_s    one real DDP epoch (after a warm-up);
 - compute_s  a step with the all-reduce switched off (`no_sync`): forward, backward, step;
 - compute_max_s  the same, per step the slowest rank's time (median over steps);

@@ -348,7 +348,11 @@ def test_a_vanished_run_directory_still_ends_the_run_with_a_result(tmp_path, wri
     run = launch.start(script, nproc=1, cpu=True, run_dir=tmp_path / "run")
     try:
         assert run.wait_done(0.01) is False and run.elapsed >= 0
-        shutil.rmtree(tmp_path / "run")
+        # the run keeps writing while it goes (a warm one from its first milliseconds): clear
+        # it until it is gone, as a learner's `rm -rf runs/` would have to
+        deadline = time.monotonic() + 10
+        while (tmp_path / "run").exists() and time.monotonic() < deadline:
+            shutil.rmtree(tmp_path / "run", ignore_errors=True)
         result = run.wait(timeout=60)
     finally:
         run.stop()
