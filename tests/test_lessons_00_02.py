@@ -248,20 +248,27 @@ def test_dp_chunk_sizes_solution(batch, devices):
 
 
 
+def _run_cells(notebook, ids, line, planted=None, prelude="", extra=None):
+    """Run a notebook's cells `ids` in order in one namespace (prints silenced), `extra` added
+    before the last; `line` must be in one of them, and is replaced there by `planted` if given."""
+    by_id = {c.get("id"): source(c) for c in cells(notebook)}
+    texts = [by_id[i] for i in ids]
+    assert sum(line in t for t in texts) == 1
+    if planted:
+        texts = [t.replace(line, planted) for t in texts]
+    ns = {"print": lambda *a, **k: None}
+    exec(prelude, ns)
+    for text in texts[:-1]:
+        exec(text, ns)
+    ns.update(extra or {})
+    exec(texts[-1], ns)
+    return ns
+
+
 def _run_02_weights_cell(planted=None):
     "02's cells up to the weights picture, with sum_then_divide's last line replaced by `planted`."
-    by_id = {c.get("id"): source(c) for c in cells("02_loss_averaging.ipynb")}
-    fix = by_id["d17e063d"]
-    line = 'return out["sum"].sum() / out["count"].sum()'
-    assert line in fix
-    if planted:
-        fix = fix.replace(line, planted)
-    ns = {"print": lambda *a, **k: None}
-    for text in (by_id["dbecf065"], by_id["6b116ce2"], fix):
-        exec(text, ns)
-    ns["show"] = lambda fig: None
-    exec(by_id["1f3aea3a"], ns)
-    return ns
+    return _run_cells("02_loss_averaging.ipynb", ["dbecf065", "6b116ce2", "d17e063d", "1f3aea3a"],
+                      'return out["sum"].sum() / out["count"].sum()', planted, extra={"show": lambda fig: None})
 
 
 def test_02_sum_then_divide_weights_come_from_the_fix_itself():
@@ -274,15 +281,8 @@ def test_02_sum_then_divide_weights_come_from_the_fix_itself():
 
 def _run_01_wrapped_optimizer_cell(planted=None):
     "01's wrapped-optimizer cell; `planted` replaces what net_b steps through."
-    by_id = {c.get("id"): source(c) for c in cells("01_data_parallel.ipynb")}
-    text = by_id["a5c0ccc9"]
-    pair = "(net_b, wrapped_opt.module)"
-    assert pair in text
-    if planted:
-        text = text.replace(pair, planted)
-    ns = {"print": lambda *a, **k: None}
-    exec("import copy, torch\nimport torch.nn.functional as F\nfrom torch import nn\n" + text, ns)
-    return ns
+    return _run_cells("01_data_parallel.ipynb", ["a5c0ccc9"], "(net_b, wrapped_opt.module)", planted,
+                      prelude="import copy, torch\nimport torch.nn.functional as F\nfrom torch import nn\n")
 
 
 def test_01_wrapped_optimizer_cell_steps_through_the_wrapper():
