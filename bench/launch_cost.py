@@ -57,17 +57,19 @@ def cost(cmd, cwd, env):
     return children_cpu() - cpu, time.perf_counter() - wall
 
 
-def cpu_of_children(pid):
-    """CPU seconds of the children `pid` has reaped (proc(5) stat fields 16 and 17)."""
+def cpu_of(pid, children=False):
+    """CPU seconds of process `pid` itself (proc(5) stat fields 14 and 15), or of the children
+    it has reaped (fields 16 and 17)."""
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+        fields = f.read().rsplit(")", 1)[1].split()   # fields[0] is field 3
+    first = 13 if children else 11
+    return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
 
 
 def course_launch(script, nproc, args, cold, server):
     """(CPU-s, s to the first metric row or None, s in all) of one launch.start to its end."""
     from ddp_lesson import launch
-    before = children_cpu() if cold else cpu_of_children(server.pid)
+    before = children_cpu() if cold else cpu_of(server.pid, children=True)
     t0 = time.perf_counter()
     run = launch.start(script, nproc=nproc, cpu=True, args=args, cold=cold)
     first = None
@@ -81,7 +83,7 @@ def course_launch(script, nproc, args, cold, server):
         raise SystemExit(f"launch failed or went another way: {result} {run.config['launch']}")
     if first is None and run.metrics():
         first = whole
-    after = children_cpu() if cold else cpu_of_children(server.pid)
+    after = children_cpu() if cold else cpu_of(server.pid, children=True)
     return after - before, first, whole
 
 
@@ -97,7 +99,7 @@ def course(repeat, nproc, tmp):
         return
     up = time.perf_counter() - t0
     print(f"the warm process: up {up:.1f} s after warm_up(), "
-          f"{cpu_of_process(server.pid):.2f} CPU-s of its own (paid once per launcher)")
+          f"{cpu_of(server.pid):.2f} CPU-s of its own (paid once per launcher)")
     cases = {"DDP step": (str(Path(tmp) / "ddp.py"), []),
              "reference script, 1 epoch": (str(script("ddp_basic.py")), ["--epochs", "1"])}
     seen = {(name, mode): [] for name in cases for mode in ("cold", "warm")}
@@ -122,12 +124,6 @@ def course(repeat, nproc, tmp):
         if c_first and w_first:
             line += f", first metric row {w_first / c_first:.2f}"
         print(line)
-
-
-def cpu_of_process(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main():

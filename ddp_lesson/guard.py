@@ -18,9 +18,9 @@ is armed, it exits at once, so a launcher killed right after start() leaves noth
   logs/rank<R>.stack.log on SIGUSR1 (the launcher asks for it when a run times out).
 - a forked rank (a warm launch: torchrun's own `--run-path --start-method fork`, from an
   agent forked by ddp_lesson.warm_server): the same, after it has shed what it inherited
-  (the warm process's atexit handlers and stdio objects, whose locks another thread may have
-  held at the fork; numpy's random state) and taken OMP_NUM_THREADS as a fresh process
-  would; a clean exit returns to torch's worker code, which hands torchrun the result.
+  (the warm process's signal handlers, atexit handlers and stdio objects, whose locks another
+  thread may have held at the fork; torch's and numpy's random state) and taken
+  OMP_NUM_THREADS as a fresh process would; a clean exit returns to torch's worker code, which hands torchrun the result.
 A rank imports only the standard library here, so the guard adds nothing measurable to
 its start-up.
 """
@@ -301,6 +301,15 @@ def restore_signals():
             pass
 
 
+def fresh_stdio():
+    """New sys.stdout and sys.stderr on file descriptors 1 and 2, unbuffered like `python -u`:
+    for a forked process, whose inherited objects belong to the process it was copied from."""
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
+                                  write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
+                                  write_through=True, errors="backslashreplace")
+
+
 def forked():
     """Is this rank a forked worker of a warm launch (not a fresh interpreter)?"""
     return os.environ.get(FORKED_ENV) == "1"
@@ -316,10 +325,7 @@ def _shed_inheritance():
     publish_environ()  # RANK and the rest, which torch's worker code has just set
     # another thread of the agent may have held a stdio object's lock at the fork; that
     # thread does not exist here, so the lock would never be released: take new objects
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                  write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                  write_through=True, errors="backslashreplace")
+    fresh_stdio()
     # seeded once in the warm process, every rank would draw alike; a new process seeds
     # from the OS (Python's random reseeds itself after a fork)
     numpy = sys.modules.get("numpy")

@@ -44,21 +44,14 @@ def is_alive(pid, started):
 def run_processes(run_dir=None, token=None):
     """This user's processes carrying DDP_LESSON_RUN_DIR (equal to run_dir if given, and
     DDP_LESSON_RUN_TOKEN equal to token if given), except this one and its ancestors."""
-    mine = {os.getpid()}
     try:
-        mine.update(p.pid for p in psutil.Process().parents())
+        ancestors = {p.pid for p in psutil.Process().parents()}
     except psutil.Error:
-        pass
+        ancestors = set()
     want = os.path.abspath(run_dir) if run_dir else None
-    uid = os.getuid() if hasattr(os, "getuid") else None
     found = []
-    for p in psutil.process_iter():
-        if p.pid in mine:
-            continue
-        try:
-            if uid is not None and p.uids().real != uid:
-                continue  # another user's runs are theirs
-        except psutil.Error:
+    for p in _mine():
+        if p.pid in ancestors:
             continue
         try:
             env = p.environ()
@@ -90,6 +83,7 @@ def warm_processes():
 
 
 def _mine():
+    """This user's processes but this one: another user's runs are theirs."""
     uid = os.getuid() if hasattr(os, "getuid") else None
     for p in psutil.process_iter():
         try:

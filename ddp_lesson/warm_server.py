@@ -14,7 +14,6 @@ import gc
 import hashlib
 import importlib
 import importlib.util
-import io
 import json
 import os
 import selectors
@@ -103,9 +102,7 @@ def _become_agent(req, warm_pid, inherited, fds):
         os.dup2(log, 2)
         os.close(null)
         os.close(log)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                      errors="backslashreplace")
+        guard.fresh_stdio()
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
