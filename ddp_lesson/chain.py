@@ -47,6 +47,26 @@ def add_then(parser):
                         help="then run SCRIPT (a script next to this one) with ARGS in these same ranks")
 
 
+def main(parse_args, run):
+    """A section script's whole life in its rank: the set-up every DDP script in 03-05 shows
+    line by line, then this section's run(), then each --then section's, then the end."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    run(args, device)
+    then(getattr(args, "then", []), device)   # --then: later sections' scripts, in these same ranks
+    dist.destroy_process_group()
+
+
 def then(links, device):
     """Run each chained script in turn: links = args.then, as parsed by add_then's option."""
     for module, args in links:

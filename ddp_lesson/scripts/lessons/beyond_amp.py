@@ -45,19 +45,6 @@ def fingerprint(model):
     return torch.stack([g.norm(), (g * weights).sum()])
 
 
-def main():
-    args = parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    run(args, device)
-    chain.then(args.then, device)        # --then: later sections' scripts, in these same ranks
-    dist.destroy_process_group()
-
-
 def run(args, device):
     """This section's run, in a process group already started; rank 0 writes amp.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -132,4 +119,4 @@ def check(amp):
 
 
 if __name__ == "__main__":
-    main()
+    chain.main(parse_args, run)   # set-up as in 03, run(), then any --then sections

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ddp_lesson import data
+from ddp_lesson import chain, data
 
 
 def parse_args(argv=None):
@@ -57,17 +57,6 @@ def full_moments(model, opt):
     """Adam's two moments of every parameter, whole (gathered from all ranks), on CPU."""
     return {f"{name}.{m}": opt.state[p][m].full_tensor().cpu().clone()
             for name, p in model.named_parameters() for m in ("exp_avg", "exp_avg_sq")}
-
-
-def main():
-    args = parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    run(args, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu"))
-    dist.destroy_process_group()
 
 
 def run(args, device):
@@ -148,4 +137,4 @@ def check(saved, loaded):
 
 
 if __name__ == "__main__":
-    main()
+    chain.main(parse_args, run)   # set-up as in 03, run(), then any --then sections

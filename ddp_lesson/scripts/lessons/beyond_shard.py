@@ -122,19 +122,6 @@ def gather(value):
     return out
 
 
-def main():
-    args = parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    run(args, device)
-    chain.then(args.then, device)        # --then: later sections' scripts, in these same ranks
-    dist.destroy_process_group()
-
-
 def run(args, device):
     """This section's runs, in a process group already started; rank 0 writes shard.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -205,4 +192,4 @@ def run(args, device):
 
 
 if __name__ == "__main__":
-    main()
+    chain.main(parse_args, run)   # set-up as in 03, run(), then any --then sections
