@@ -170,6 +170,21 @@ def test_too_small_by_is_checked_at_two_scales(answer, right):
             exercises.check_too_small_by(answer, slow)
 
 
+@pytest.mark.parametrize("name,wrong", [
+    ("lr x world size", lambda b, w, bb, lr: (b * w, lr * w)),               # ignores the base batch
+    ("floor division", lambda b, w, bb, lr: (b * w, lr * (b * w // bb))),    # k = 1.5 becomes 1
+    ("never scale down", lambda b, w, bb, lr: (b * w, lr * max(1, b * w / bb))),   # k = 0.5 becomes 1
+    ("square-root rule", lambda b, w, bb, lr: (b * w, lr * (b * w / bb) ** 0.5)),
+    ("per-device batch as the global one", lambda b, w, bb, lr: (b, lr * b * w / bb)),
+    ("the paper example hard-coded", lambda b, w, bb, lr: (384, 1.2)),
+])
+def test_scaled_checker_rejects_planted_wrong_answers(name, wrong):
+    # 03b's exercise: its hidden solution cell proves the checker accepts the solution and
+    # rejects the starter; the classic wrong rules are planted here
+    with pytest.raises(AssertionError):
+        exercises.check_scaled(wrong)
+
+
 # -- the one verdict: exercises.grade (pure-function exercises of 00-08 and attempt's) -------
 def test_grade_prints_the_verdict_and_returns_it(capsys):
     assert exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: (b * w, lr * b * w / bb))

@@ -10,8 +10,8 @@ their check scripts and lesson scripts on those runs, so no test here launches t
 - find_unused_parameters' error (find_unused.py): 03b cell 03-15;
 - which parameters land in which bucket, one bucket in the first backward (ddp_checks.py):
   03b cell 03b-buckets;
-- the bucket timeline, overlap, buffers, map_location (ddp_checks.py): 03b cells 03b-timeline
-  and 03-14b (and tests/test_world_size.py at 3 ranks);
+- the bucket timeline, overlap, buffers, map_location (ddp_checks.py): 03b cell 03b-timeline
+  (and tests/test_world_size.py at 3 ranks);
 - the exercise's solution cell leaves the learner's `passed` alone: 03 cell 03-ex5;
 The pictures of those cells are tested in tests/test_diagrams_collectives.py.
 - SyncBN equals BN over the concatenated batch (syncbn_stats.py): 04 cell 04-08; the

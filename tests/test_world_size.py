@@ -7,7 +7,7 @@ would show as 1026), all started together so the suite pays torchrun's start-up 
 ddp_basic.py at 3 ranks is not launched here: test_timing.py's straggler run is that run
 (ddp_basic.py, 3 ranks, 1 epoch) and asserts the same count on every rank.
 ddp_checks.py at 3 ranks (overlap, buffers, map_location) is not launched here: notebook 03b's
-3-rank rerun (conftest.py) asserts all of it on every rank, in the cell after its timeline."""
+3-rank rerun (conftest.py) asserts all of it on every rank, in its timeline cell."""
 import json
 from pathlib import Path
 
