@@ -89,6 +89,18 @@ def test_exercise_with_checker_and_solution():
     assert all("check_" in source(c) and "starter" in source(c) for c in solutions)
 
 
+def test_exercise_comes_before_the_cells_that_would_give_it_away():
+    # The learner works the weighting out from section 1: no cell before the exercise states the
+    # answer, and section 3 (which says DDP divides by the world size a second time) comes after.
+    c = cells()
+    start = next(i for i, x in enumerate(c) if source(x).startswith("### Exercise: weight the loss"))
+    twice = next(i for i, x in enumerate(c) if x.get("id") == "03c-twice")
+    assert start < twice
+    before = "\n".join(source(x) for x in c[:start]).replace(" ", "")
+    for answer in ("*world_size/global_count", "world_size/global_count", "*world/n_global", "1/(globalcount)"):
+        assert answer not in before, answer
+
+
 def test_links_previous_03b_next_04():
     last = source(cells()[-1])
     assert "(03b_ddp_equals_one_process.ipynb)" in last and "(04_sync_batchnorm.ipynb)" in last

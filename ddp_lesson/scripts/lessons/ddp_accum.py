@@ -65,7 +65,7 @@ def accumulate(model, opt, sched, batches, k, n, device):
         with contextlib.nullcontext() if last else model.no_sync():
             out = model(x)
             loss = F.cross_entropy(out, y)
-            (loss / window).backward()  # the mean over the window, as one big batch
+            (loss / window).backward()  # the window's mean; DDP's average makes it the global batch's
         if not last:
             continue
         # gradient clipping would go here: on the window's whole, all-reduced gradient
