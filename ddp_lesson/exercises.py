@@ -82,36 +82,53 @@ def check_set_epoch(run_dir):
     return f"{world} rank(s), {len(epochs)} epochs, each epoch a new order"
 
 
-def check_bn_average(run_dir):
-    """04: plain BatchNorm in training, then every rank holds the average over ranks of each
-    BN layer's running statistics (the ones the ranks logged before, `own`)."""
+def check_global_bn(run_dir):
+    """04: every rank holds, per channel, the mean and the biased variance of every rank's x
+    together (the global batch, as SyncBatchNorm's forward needs them), from the x each rank
+    logged. The ranks hold different numbers of samples, so an unweighted average of their
+    means is wrong, and an average of their variances leaves out the spread between means."""
+    import torch
     rec, world = _finished(run_dir)
-    assert world > 1, "with one rank there is nothing to average: run it on 2 or more"
-    own = {row["rank"]: row for row in rec.rows if "own" in row}
-    after = {row["rank"]: row["after"] for row in rec.rows if "after" in row}
-    assert sorted(own) == sorted(after) == list(range(world)), \
-        "not every rank logged its BatchNorm statistics before and after the exercise's lines"
-    types = own[0]["bn_types"]
-    assert types, "the model has no BatchNorm layer"
-    synced = [t for t in types if "Sync" in t]
-    assert not synced, (f"{len(synced)} of {len(types)} layers are {synced[0]}: this exercise keeps plain "
-                        "BatchNorm in training and averages its statistics afterwards")
-    spread = off = differ = 0.0
-    for key in ("running_mean", "running_var"):
-        for layer in range(len(types)):
-            mine = [own[r]["own"][key][layer] for r in range(world)]
-            average = [sum(v) / world for v in zip(*mine)]
-            differ = max(differ, max(max(v) - min(v) for v in zip(*mine)))
-            for r in range(world):
-                got = after[r][key][layer]
-                spread = max(spread, max(abs(a - b) for a, b in zip(got, after[0][key][layer])))
-                off = max(off, max(abs(a - b) for a, b in zip(got, average)))
-    # else equal buffers before the exercise's lines would pass whatever those lines do
-    assert differ > 1e-3, ("the ranks' own statistics already agreed before the # EXERCISE lines "
-                           f"(they differ by at most {differ:.3g}): change only those lines")
-    assert spread < 1e-4, f"the ranks' running statistics still differ by up to {spread:.3g}"
-    assert off < 1e-4, f"the ranks agree, but not on the average of their own statistics (off by up to {off:.3g})"
-    return f"{len(types)} {types[0]} layers: every one of {world} ranks holds the average (max error {off:.1e})"
+    assert world > 1, "with one rank its batch is the global batch: run it on 2 or more"
+    xs = {row["rank"]: torch.tensor(row["x"], dtype=torch.float64) for row in rec.rows if "x" in row}
+    got = {row["rank"]: row for row in rec.rows if "var" in row}
+    assert sorted(xs) == sorted(got) == list(range(world)), \
+        "not every rank logged its x and then its mean and var"
+    dims = (0, 2, 3)
+    whole = torch.cat([xs[r] for r in range(world)])
+    want_mean, want_var = whole.mean(dims), whole.var(dims, unbiased=False)
+    own = {r: (xs[r].mean(dims), xs[r].var(dims, unbiased=False)) for r in range(world)}
+    wrong = {  # the common wrong answers, to name the one a learner gave
+        "this rank's own statistics": None,
+        "the unweighted average of the ranks' means": sum(m for m, _ in own.values()) / world,
+        "the average of the ranks' variances": sum(v for _, v in own.values()) / world,
+    }
+    scale = want_var.sqrt()
+    gap = max(((wrong["the average of the ranks' variances"] - want_var).abs() / want_var).max().item(),
+              ((wrong["the unweighted average of the ranks' means"] - want_mean).abs() / scale).max().item())
+    # else an average of the ranks' statistics would pass: this run could not tell them apart
+    assert gap > 1e-3, f"the ranks' batches are too alike to tell a wrong merge from the right one ({gap:.2g})"
+    for r in reversed(range(world)):          # the last first: a copy of rank 0's is named as such
+        mean = torch.tensor(got[r]["mean"], dtype=torch.float64)
+        var = torch.tensor(got[r]["var"], dtype=torch.float64)
+        assert mean.shape == want_mean.shape and var.shape == want_var.shape, \
+            f"rank {r}: mean and var should each hold {len(want_mean)} numbers, one per channel"
+        mean_off = ((mean - want_mean).abs() / scale).max().item()
+        var_off = ((var - want_var).abs() / want_var).max().item()
+        if mean_off < 1e-4 and var_off < 1e-4:
+            continue
+        if ((mean - own[r][0]).abs() / scale).max() < 1e-4 and ((var - own[r][1]).abs() / want_var).max() < 1e-4:
+            raise AssertionError(f"rank {r} still holds {list(wrong)[0]}")
+        if mean_off >= 1e-4:
+            close = ((mean - wrong["the unweighted average of the ranks' means"]).abs() / scale).max() < 1e-4
+            raise AssertionError(f"rank {r}: the mean is off by up to {mean_off:.2g} standard deviations"
+                                 + (": that is the unweighted average of the ranks' means, but rank r holds "
+                                    "3 + r images" if close else ""))
+        close = ((var - wrong["the average of the ranks' variances"]).abs() / want_var).max() < 1e-4
+        raise AssertionError(f"rank {r}: the mean is right, the variance is off by up to {var_off:.1%}"
+                             + (": that is the average of the ranks' variances, which leaves out how far "
+                                "each rank's mean is from the global mean" if close else ""))
+    return f"every one of {world} ranks holds the global batch's {len(want_mean)} means and variances"
 
 
 def all_reduced(run_dir):

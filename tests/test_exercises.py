@@ -51,39 +51,50 @@ def test_set_epoch(tmp_path):
         exercises.check_set_epoch(failed)
 
 
-def bn_rows(types, own_means, after_means):
-    """ex_syncbn.py's two rows per rank: its own running statistics, then after the exercise."""
+def bn_run(path, answer, world=3):
+    """ex_syncbn.py's two rows per rank: its x (rank r holds 3 + r samples, the ranks' means
+    apart), then the mean and var that answer(xs, rank) gives it."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3 + r, 2, 2, 2, generator=g, dtype=torch.float64) + 0.5 * r for r in range(world)]
     rows = []
-    for r, (mine, after) in enumerate(zip(own_means, after_means)):
-        rows.append({"rank": r, "step": 4, "bn_types": types,
-                     "own": {"running_mean": [mine], "running_var": [[1.0]]}})
-        rows.append({"rank": r, "step": 4, "after": {"running_mean": [after], "running_var": [[1.0]]}})
-    return rows
+    for r in range(world):
+        mean, var = answer(xs, r)
+        rows += [{"rank": r, "step": 0, "x": xs[r].tolist()},
+                 {"rank": r, "step": 1, "mean": mean.tolist(), "var": var.tolist()}]
+    return fake_run(path, world, rows)
 
 
-def test_bn_average(tmp_path):
-    own = [[0.2], [0.6], [0.4]]
-    ok = fake_run(tmp_path / "ok", 3, bn_rows(["BatchNorm2d"], own, [[0.4]] * 3))
-    assert "every one of 3 ranks holds the average" in exercises.check_bn_average(ok)
-    starter = fake_run(tmp_path / "starter", 3, bn_rows(["BatchNorm2d"], own, own))   # nothing done
-    with pytest.raises(AssertionError, match="still differ by up to 0.4"):
-        exercises.check_bn_average(starter)
-    summed = fake_run(tmp_path / "summed", 3, bn_rows(["BatchNorm2d"], own, [[1.2]] * 3))  # not divided
-    with pytest.raises(AssertionError, match="not on the average"):
-        exercises.check_bn_average(summed)
-    rank0 = fake_run(tmp_path / "rank0", 3, bn_rows(["BatchNorm2d"], own, [[0.2]] * 3))   # broadcast
-    with pytest.raises(AssertionError, match="not on the average"):
-        exercises.check_bn_average(rank0)
-    # buffers made equal before the exercise's lines (a broadcast after training): own agrees
-    equal = fake_run(tmp_path / "equal", 3, bn_rows(["BatchNorm2d"], [[0.2]] * 3, [[0.2]] * 3))
-    with pytest.raises(AssertionError, match="already agreed before the # EXERCISE lines"):
-        exercises.check_bn_average(equal)
-    synced = fake_run(tmp_path / "synced", 2, bn_rows(["CPUSyncBatchNorm"], [[0.5]] * 2, [[0.5]] * 2))
-    with pytest.raises(AssertionError, match="keeps plain BatchNorm"):
-        exercises.check_bn_average(synced)
-    alone = fake_run(tmp_path / "alone", 1, bn_rows(["BatchNorm2d"], [[0.5]], [[0.5]]))
-    with pytest.raises(AssertionError, match="nothing to average"):
-        exercises.check_bn_average(alone)
+def test_global_bn(tmp_path):
+    import torch
+    dims = (0, 2, 3)
+    own = lambda x: (x.mean(dims), x.var(dims, unbiased=False))
+    right = lambda xs, r: own(torch.cat(xs))
+    ok = bn_run(tmp_path / "ok", right)
+    assert "every one of 3 ranks holds the global batch's 2 means" in exercises.check_global_bn(ok)
+    by_sums = lambda xs, r: (torch.cat(xs).mean(dims), (torch.cat(xs) ** 2).mean(dims) - torch.cat(xs).mean(dims) ** 2)
+    assert exercises.check_global_bn(bn_run(tmp_path / "sums", by_sums))
+    with pytest.raises(AssertionError, match="still holds this rank's own statistics"):
+        exercises.check_global_bn(bn_run(tmp_path / "starter", lambda xs, r: own(xs[r])))
+    avg_var = lambda xs, r: (torch.cat(xs).mean(dims), sum(own(x)[1] for x in xs) / len(xs))
+    with pytest.raises(AssertionError, match="average of the ranks' variances"):
+        exercises.check_global_bn(bn_run(tmp_path / "avg_var", avg_var))
+    avg_both = lambda xs, r: (sum(own(x)[0] for x in xs) / len(xs), sum(own(x)[1] for x in xs) / len(xs))
+    with pytest.raises(AssertionError, match="unweighted average of the ranks' means"):
+        exercises.check_global_bn(bn_run(tmp_path / "avg_both", avg_both))
+    unbiased = lambda xs, r: (torch.cat(xs).mean(dims), torch.cat(xs).var(dims))
+    with pytest.raises(AssertionError, match="the variance is off"):
+        exercises.check_global_bn(bn_run(tmp_path / "unbiased", unbiased))
+    rank0 = lambda xs, r: own(xs[0])                                  # a broadcast of rank 0's
+    with pytest.raises(AssertionError, match="the mean is off"):
+        exercises.check_global_bn(bn_run(tmp_path / "rank0", rank0))
+    same = [{"rank": r, "step": s, **row} for r in range(2)          # equal batches: a run that
+            for s, row in ((0, {"x": [[[[1.0, 2.0]]]]}), (1, {"mean": [1.5], "var": [0.25]}))]  # cannot tell
+    with pytest.raises(AssertionError, match="too alike"):
+        exercises.check_global_bn(fake_run(tmp_path / "same", 2, same))
+    alone = bn_run(tmp_path / "alone", right, world=1)
+    with pytest.raises(AssertionError, match="run it on 2 or more"):
+        exercises.check_global_bn(alone)
 
 
 RIGHT = {"backward only": [1, 2, 3, 4], "forward only": [4], "both": [4], "last only": [1, 2, 3]}
