@@ -44,7 +44,7 @@ def test_the_package_data_ships_every_script():
 
 
 def test_a_notebooks_chained_scripts_share_the_first_ones_folder():
-    # --then NAME imports NAME from the first script's folder (ddp_lesson/chain.py): a cell that
+    # --then NAME imports NAME from the first script's folder (ddp_lesson/rank/chain.py): a cell that
     # launches script("A.py") ... "--then", "B" needs B.py beside A.py
     import json
     import re
