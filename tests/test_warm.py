@@ -262,7 +262,7 @@ def test_cleanup_ends_a_warm_process_whose_launcher_is_gone(repo_env, tmp_path):
     started = []
     # ours, and one whose launcher "PID 1 started at 0" is not alive (PID 1 started later)
     for owner in (f"{os.getpid()} {procs.create_time(os.getpid())}", "1 0.0"):
-        env = dict(repo_env, **{warm_server.FOR_ENV: owner})
+        env = dict(repo_env, **{procs.FOR_ENV: owner})
         started.append(subprocess.Popen([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent",
                                          str(os.getpid()), str(tmp_path / f"s{len(started)}")],
                                         env=env, stdout=subprocess.PIPE, start_new_session=True))

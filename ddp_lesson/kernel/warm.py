@@ -22,7 +22,8 @@ import threading
 import time
 
 from ..rank import procs
-from ..rank.warm_server import FOR_ENV, PAD_BYTES, PAD_ENV, fingerprint
+from ..rank.procs import FOR_ENV
+from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
 
 # read when Python or torch start (TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported,
 # TORCH_LOGS when torch is): a process forked from one started with other values would not be

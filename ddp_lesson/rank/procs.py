@@ -8,7 +8,8 @@ import time
 import psutil
 
 from . import rundir
-from .warm_server import FOR_ENV
+
+FOR_ENV = "DDP_LESSON_WARM_FOR"   # a warm process's own variable: "PID CREATE_TIME" of its launcher
 
 
 def tree(pid):

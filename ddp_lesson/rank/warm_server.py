@@ -30,7 +30,6 @@ from . import guard
 # the optimizers import on first use (about half of a rank's start-up on a CPU)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.nn.parallel",
            "torch._dynamo", "torch.optim", "torch.utils.data")
-FOR_ENV = "DDP_LESSON_WARM_FOR"    # the warm process's own variable: "PID CREATE_TIME" of its launcher
 PAD_ENV = "DDP_LESSON_WARM_PAD"   # room in the warm process's environment for each run's (see guard.publish_environ)
 PAD_BYTES = 48 * 1024
 RANK_ENV_ROOM = 4096              # what torch's agent adds for each rank (RANK, MASTER_ADDR, ...)
