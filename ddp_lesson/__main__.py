@@ -7,8 +7,9 @@ import argparse
 import signal
 import sys
 
-from . import BadInput, checks, devices, failures, launch, monitor
-from .bundled import script
+from . import BadInput
+from .kernel import checks, devices, failures, launch, monitor
+from .rank.bundled import script
 
 EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
 
@@ -124,7 +125,7 @@ def cmd_demo(a):
           f"run directory {run.run_dir}", flush=True)
     code = supervise(run)
     if code == 0:
-        from .runs import load
+        from .kernel.runs import load
         rec = load(run.run_dir)
         s = rec.summary()
         acc = s["final_accuracy"]
@@ -149,14 +150,14 @@ def main(argv=None):
         if a.command == "demo":
             return cmd_demo(a)
         if a.command == "doctor":
-            from . import doctor
+            from .kernel import doctor
             return doctor.main()
         if a.command == "slurm":
-            from . import slurm
+            from .kernel import slurm
             print(slurm.from_flags(a, script_args), end="")
             return 0
         if a.command == "cleanup":
-            from . import doctor
+            from .kernel import doctor
             return doctor.cleanup(dry_run=a.dry_run, everything=a.all)
     except BadInput as e:
         print(f"ddp_lesson: {e}", file=sys.stderr)

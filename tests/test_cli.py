@@ -179,7 +179,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path, tmp_run_dir, args):
     assert failure["rank"] == 1 and failure["exitcode"] == 1
     assert failure["message"] == "ValueError: boom from rank 1"
     assert "in explode" in failure["traceback"] and "ValueError: boom from rank 1" in failure["traceback"]
-    assert "ddp_lesson/guard.py" not in failure["traceback"]  # the script's frames, not ours
+    assert "ddp_lesson/rank/guard.py" not in failure["traceback"]  # the script's frames, not ours
     # the printed report names the root cause, not the rank torn down after it
     assert "Rank 1 failed first" in out.stderr
     assert "ValueError: boom from rank 1" in out.stderr and "in explode" in out.stderr

@@ -1,4 +1,4 @@
-"""The pictures of ddp_lesson/diagrams/collectives.py draw what their data says: each test reads
+"""The pictures of ddp_lesson/notebook/diagrams/collectives.py draw what their data says: each test reads
 the figure's texts and patch colours back and compares them with the input, and a planted wrong
 input must come out different (a wrong verdict, a wrong box)."""
 import os

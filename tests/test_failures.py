@@ -189,7 +189,7 @@ Current thread 0x00007ff0f9e57b80 (most recent call first):
   File "/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 380 in wrapper
   File "/run/node0/script.py", line 45 in <module>
   File "<frozen runpy>", line 88 in _run_code
-  File "/repo/ddp_lesson/guard.py", line 289 in <module>
+  File "/repo/ddp_lesson/rank/guard.py", line 289 in <module>
   File "<frozen runpy>", line 198 in _run_module_as_main
 """
 

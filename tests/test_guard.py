@@ -1,4 +1,4 @@
-"""`python -m ddp_lesson.guard`, what torchrun runs for the agent and for every rank.
+"""`python -m ddp_lesson.rank.guard`, what torchrun runs for the agent and for every rank.
 
 Checked directly (no torchrun, so these are fast):
 
@@ -24,7 +24,7 @@ import pytest
 
 from conftest import child_env, wait_until
 
-GUARD = [sys.executable, "-m", "ddp_lesson.guard"]
+GUARD = [sys.executable, "-m", "ddp_lesson.rank.guard"]
 
 
 def guard_env(**extra):

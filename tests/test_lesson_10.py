@@ -1,7 +1,7 @@
 """Notebook 10's compile, sharding and checkpoint checks at a world size the notebook does not
 run (it runs at DDP_LESSON_NPROC, 2 in CI): 3 gloo CPU ranks, a real torchrun launch through
 ddp_lesson.launch, the smallest runs that can fail (2-3 steps). As in the notebook, one launch
-runs the scripts in turn in the same ranks (--then, ddp_lesson/chain.py): beyond_amp.py with
+runs the scripts in turn in the same ranks (--then, ddp_lesson/rank/chain.py): beyond_amp.py with
 its all-reduce planted away (no_sync() over every micro-batch: the ranks really differ, and the
 amp check must say so), compile, shard, then the DCP save; the checkpoint is then loaded at
 1 rank (the notebook loads at N + 1).

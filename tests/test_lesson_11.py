@@ -452,7 +452,7 @@ def guarded_failure(run_dir, body):
     script = run_dir / "ex_global_batch.py"
     run_dir.mkdir(parents=True)
     script.write_text(MAIN.format(body))
-    subprocess.run([sys.executable, "-m", "ddp_lesson.guard", str(script)], cwd=run_dir, timeout=60,
+    subprocess.run([sys.executable, "-m", "ddp_lesson.rank.guard", str(script)], cwd=run_dir, timeout=60,
                    env=child_env(DDP_LESSON_RUN_DIR=run_dir, RANK="0"), capture_output=True)
     return failures.root_cause(run_dir), script
 

@@ -1,5 +1,5 @@
 """`python tools/notebooks.py check` passes on every notebook, and fails, naming the notebook
-and the cell, when a %%writefile cell drifts from ddp_lesson/scripts, writes a script that does
+and the cell, when a %%writefile cell drifts from ddp_lesson/rank/scripts, writes a script that does
 not exist, an output is stored, or a cell touches sys.path; `sync` repairs what it can."""
 import json
 import shutil
@@ -69,7 +69,7 @@ def duplicate_id(cells):
 
 
 @pytest.mark.parametrize("breakage,words", [
-    (drift, "differs from ddp_lesson/scripts/"),
+    (drift, "differs from ddp_lesson/rank/scripts/"),
     (store_output, "stored outputs"),
     (missing_script, "writes work/no_such_lesson.py but no such script is shipped"),
     (sys_path, "touches sys.path"),

@@ -1,6 +1,6 @@
 """The generated sbatch script: its content, what it runs when Slurm's commands are
 replaced by stubs that record their arguments, and (where root and Debian's Slurm packages
-are there) what it does under a real one-machine Slurm brought up by ddp_lesson/slurm_cluster.sh."""
+are there) what it does under a real one-machine Slurm brought up by ddp_lesson/kernel/slurm_cluster.sh."""
 import json
 import os
 import subprocess
@@ -92,7 +92,7 @@ def test_cli():
     assert out.stdout.rstrip().endswith("train.py --epochs 2")
 
 
-# --- a real Slurm (ddp_lesson/slurm_cluster.sh): the printed script is submitted with sbatch ---
+# --- a real Slurm (ddp_lesson/kernel/slurm_cluster.sh): the printed script is submitted with sbatch ---
 TRAIN = script("ddp_basic.py")
 
 

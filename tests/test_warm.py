@@ -1,4 +1,4 @@
-"""Warm launches (`launch.warm_up`, ddp_lesson.warm_server, ddp_lesson.warm): a run's agent
+"""Warm launches (`launch.warm_up`, ddp_lesson.rank.warm_server, ddp_lesson.kernel.warm): a run's agent
 and ranks are forked from a warm process that has imported torch, and each rank is still
 what a CLI torchrun gives it.
 
@@ -104,7 +104,7 @@ def test_the_warm_process_holds_one_thread_no_cuda_and_only_the_guard(server):
     hello = server.hello
     assert hello["threads"] == 1
     assert hello["cuda_initialized"] is False
-    assert set(hello["modules"]) <= {"ddp_lesson", "ddp_lesson.guard", "ddp_lesson.rundir"}
+    assert set(hello["modules"]) <= {"ddp_lesson", "ddp_lesson.rank", "ddp_lesson.rank.guard", "ddp_lesson.rank.rundir"}
     assert psutil.Process(server.pid).ppid() == os.getpid()
 
 
@@ -242,10 +242,11 @@ def test_a_stale_warm_process_is_replaced(server, write_script, monkeypatch):
 
 def test_the_fingerprint_follows_the_files(tmp_path):
     for name in warm_server.OWN_FILES:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text("x = 1\n")
     before = warm_server.fingerprint(tmp_path)
     assert warm_server.fingerprint(tmp_path) == before
-    (tmp_path / "guard.py").write_text("x = 2\n")
+    (tmp_path / "rank" / "guard.py").write_text("x = 2\n")
     assert warm_server.fingerprint(tmp_path) != before
 
 
@@ -261,8 +262,8 @@ def test_cleanup_ends_a_warm_process_whose_launcher_is_gone(repo_env, tmp_path):
     started = []
     # ours, and one whose launcher "PID 1 started at 0" is not alive (PID 1 started later)
     for owner in (f"{os.getpid()} {procs.create_time(os.getpid())}", "1 0.0"):
-        env = dict(repo_env, **{warm_server.FOR_ENV: owner})
-        started.append(subprocess.Popen([sys.executable, "-m", "ddp_lesson.warm_server", "--parent",
+        env = dict(repo_env, **{procs.FOR_ENV: owner})
+        started.append(subprocess.Popen([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent",
                                          str(os.getpid()), str(tmp_path / f"s{len(started)}")],
                                         env=env, stdout=subprocess.PIPE, start_new_session=True))
     try:

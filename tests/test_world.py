@@ -90,7 +90,7 @@ def test_interrupt_stops_python_code_and_keeps_the_world(world):
 
 def test_an_interrupt_anywhere_in_run_leaves_the_world_usable(world):
     """Ctrl-C may land at any point of the kernel's side of a call. conftest.signal_points
-    puts it, in turn, on every point of ddp_lesson/world.py's code that one call passes
+    puts it, in turn, on every point of ddp_lesson/kernel/world.py's code that one call passes
     where CPython would deliver it; after each, the world is ready and the next call runs
     (a lock left taken said "This world is running another call" until a restart)."""
     n = world.world_size

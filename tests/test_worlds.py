@@ -1,111 +1,195 @@
 """The three worlds of the package, and which way imports may go.
 
-- rank side: runs inside torchrun's processes (the agent's and ranks' guard, what lesson
-  scripts and a live world's ranks import). Standard library and torch only (psutil for the
-  guard and procs, which end process trees), and only other rank-side modules: a rank must
-  never pay for, or depend on, the kernel's supervision or the notebook's drawing.
-- kernel side: starts, supervises and reads back runs (a notebook kernel or the CLI).
+A module's world is its folder:
+- ddp_lesson/rank/: runs inside torchrun's processes (the agent's and ranks' guard, what lesson
+  scripts and a live world's ranks import, and rank/scripts/, what the ranks run). Standard
+  library and torch only (psutil for the guard and procs, which end process trees), and only
+  other rank-side modules: a rank must never pay for, or depend on, the kernel's supervision
+  or the notebook's drawing.
+- ddp_lesson/kernel/: starts, supervises and reads back runs (a notebook kernel or the CLI).
   It may import the rank side (names, metric vocabulary), never the notebook side.
-- notebook side: draws and teaches (widgets, plots, diagrams, lesson helpers). It may
+- ddp_lesson/notebook/: draws and teaches (widgets, plots, diagrams, lesson helpers). It may
   import both others.
-Every module must be in exactly one world, so a new module is placed on purpose.
+Two files stay on top: __init__ (every process imports it, so at import time it defines names
+and the short-name finder only; `%load_ext ddp_lesson` loads the notebook side's magics) and
+__main__ (the command line, kernel side). Package modules import each other by the real path,
+so the layout shows; notebooks, lesson scripts and users keep the short names
+(`from ddp_lesson import launch`), which name the same module objects.
 """
 import ast
+import importlib
+import shutil
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ddp_lesson"
+import pytest
 
-# __init__ is imported by every process, so at import time it defines names only; the
-# magics it loads for `%load_ext ddp_lesson` make it notebook side.
-RANK = {"bundled", "chain", "costmodel", "data", "dist", "forked_rank", "guard", "knobs", "metrics",
-        "models", "procs", "rundir", "syncbn", "warm_server", "world_messages", "world_rank"}
-KERNEL = {"__main__", "checks", "devices", "doctor", "failures", "interrupts", "launch",
-          "monitor", "multinode", "runs", "scaling", "slurm", "stacks", "warm", "world"}
-NOTEBOOK = {"__init__", "capstone", "diagrams", "exercises", "lesson", "magics", "plots", "simulate", "widgets"}
+import ddp_lesson
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ddp_lesson"
+WORLDS = ddp_lesson.WORLDS
+TOP = {"__init__": None, "__main__": "kernel"}   # the two files on top, and their worlds
 RANK_THIRD_PARTY = {"torch", "torchvision"}
 PROCESS_WRAPPER = {"guard": {"psutil"}, "procs": {"psutil"}}
+# The modules of the flat layout before the worlds became folders: these names must keep working.
+OLD_NAMES = ("bundled", "capstone", "chain", "checks", "costmodel", "data", "devices", "diagrams",
+             "dist", "doctor", "exercises", "failures", "forked_rank", "guard", "interrupts", "knobs",
+             "launch", "lesson", "magics", "metrics", "models", "monitor", "multinode", "plots",
+             "procs", "rundir", "runs", "scaling", "simulate", "slurm", "stacks", "syncbn", "warm",
+             "warm_server", "widgets", "world", "world_messages", "world_rank")
 
 
-def modules():
-    """{name: [source files]}: top-level modules, and a subpackage as one module."""
-    out = {p.stem: [p] for p in PACKAGE.glob("*.py")}
-    for d in PACKAGE.iterdir():
-        if (d / "__init__.py").exists():
-            out[d.name] = sorted(d.rglob("*.py"))
+def short_names(package=PACKAGE):
+    """{short name: world} of the modules in the world folders (a subpackage counts as one)."""
+    out = {}
+    for world in WORLDS:
+        for p in sorted((package / world).iterdir()):
+            if p.suffix == ".py" and p.stem != "__init__" or (p / "__init__.py").exists():
+                assert p.stem not in out, f"{p.stem} is in {out[p.stem]}/ and {world}/"
+                out[p.stem] = world
     return out
 
 
-MODULES = modules()
+SHORT = short_names()
 
 
-def imports(source, package="ddp_lesson"):
-    """(package modules, other top-level names) that one source file imports, anywhere in it
-    (lazy imports inside functions count too). `package`: the file's own package, for
-    relative imports."""
+def sources(package=PACKAGE):
+    """Every source file of the package: (path, its world, whether it is a lesson script)."""
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).parts
+        world = parts[0] if parts[0] in WORLDS else TOP[path.stem]
+        yield path, world, parts[:2] == ("rank", "scripts")
+
+
+def imports(source, package):
+    """(ddp_lesson names, other top-level names) that one source file imports, anywhere in it
+    (lazy imports inside functions count too). An imported name is dotted in full
+    (`from ..rank import guard` in ddp_lesson.kernel: ddp_lesson.rank.guard). `package`: the
+    file's own package, for relative imports."""
     ours, others = set(), set()
-
-    def add(full, names=()):
-        parts = full.split(".")
-        if parts[0] != "ddp_lesson":
-            others.add(parts[0])
-        elif len(parts) > 1:
-            ours.add(parts[1])
-        else:  # from ddp_lesson import x, y: x and y are modules (or names like BadInput)
-            ours.update(names)
-
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            for a in node.names:
-                add(a.name)
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                full = ".".join(base + ([node.module] if node.module else []))
-            else:
-                full = node.module
-            add(full, [a.name for a in node.names])
+            parts = package.split(".")
+            base = parts[:len(parts) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [f"{module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            ours.add(name) if top == "ddp_lesson" else others.add(top)
     return ours, others
 
 
-def violations(name, sources):
-    """Sentences naming each import that goes the wrong way from module `name`."""
+def world_named(name):
+    """The world of a dotted name in ddp_lesson, by its real path or its short name; None for
+    the package's own names (ddp_lesson, BadInput, __version__)."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in WORLDS else SHORT.get(parts[1])
+
+
+def violations(where, world, source, package, script=False, stem=None):
+    """Sentences naming each import that goes the wrong way from one source file: `world` is
+    the file's world, `package` its dotted package; a lesson script (`script`) may use the
+    short names and import its siblings and other libraries."""
+    ours, others = imports(source, package)
     out = []
-    for src in sources:
-        package = (".".join(src.relative_to(PACKAGE.parent).parent.parts)
-                   if src.is_relative_to(PACKAGE) else "ddp_lesson")   # a planted copy
-        ours, others = imports(src.read_text(), package)
-        ours = {m for m in ours if m in MODULES and m != name}
-        if name in RANK:
-            allowed = set(sys.stdlib_module_names) | RANK_THIRD_PARTY | PROCESS_WRAPPER.get(name, set())
-            out += [f"{src.name} (rank side) imports {m}, which a rank must not need"
-                    for m in sorted(others - allowed)]
-            out += [f"{src.name} (rank side) imports ddp_lesson.{m} ({'kernel' if m in KERNEL else 'notebook'} side)"
-                    for m in sorted(ours - RANK)]
-        elif name in KERNEL:
-            out += [f"{src.name} (kernel side) imports ddp_lesson.{m} (notebook side)"
-                    for m in sorted(ours & NOTEBOOK)]
+    if world == "rank" and not script:
+        allowed = set(sys.stdlib_module_names) | RANK_THIRD_PARTY | PROCESS_WRAPPER.get(stem, set())
+        out += [f"{where} (rank side) imports {m}, which a rank must not need" for m in sorted(others - allowed)]
+    for name in sorted(ours):
+        target = world_named(name)
+        if world == "rank" and target in ("kernel", "notebook") or world == "kernel" and target == "notebook":
+            out.append(f"{where} ({world} side) imports {name} ({target} side)")
+        if not script and world_named(name) and name.split(".")[1] in SHORT:
+            out.append(f"{where} imports {name} by its short name; the package imports by the real path")
     return out
 
 
-def test_every_module_is_in_exactly_one_world():
-    assert not (RANK & KERNEL or RANK & NOTEBOOK or KERNEL & NOTEBOOK)
-    assert set(MODULES) == RANK | KERNEL | NOTEBOOK, set(MODULES) ^ (RANK | KERNEL | NOTEBOOK)
+def scan(package=PACKAGE):
+    found = []
+    for path, world, script in sources(package):
+        dotted = ".".join(path.relative_to(package.parent).parent.parts)
+        found += violations(path.relative_to(package), world, path.read_text(), dotted, script, path.stem)
+    return found
+
+
+def test_every_module_sits_in_a_world_folder():
+    on_top = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert on_top == {"__init__.py", "__main__.py", *WORLDS}, on_top
+    assert set(SHORT.values()) == set(WORLDS)
 
 
 def test_imports_go_one_way():
-    found = [v for name, sources in MODULES.items() for v in violations(name, sources)]
+    found = scan()
     assert not found, "\n".join(found)
 
 
-def test_a_planted_wrong_import_is_found(tmp_path, monkeypatch):
-    """The check can fail: a rank-side module that imports the launcher, or matplotlib, and a
-    kernel-side one that imports the widgets, are each named."""
-    for name, line, what in (("metrics", "from . import launch", "kernel side"),
-                             ("models", "import matplotlib.pyplot as plt", "matplotlib"),
-                             ("syncbn", "from ddp_lesson.widgets import RunPanel", "notebook side"),
-                             ("launch", "from .plots import LivePlot", "notebook side")):
-        planted = tmp_path / f"{name}.py"
-        planted.write_text((PACKAGE / f"{name}.py").read_text() + f"\n\ndef _planted():\n    {line}\n")
-        found = violations(name, [planted])
-        assert any(what in v for v in found), (name, line, found)
+@pytest.mark.parametrize("world, line, what", [
+    ("rank", "from ..kernel import launch", "(kernel side)"),
+    ("rank", "import ddp_lesson.kernel.monitor", "(kernel side)"),
+    ("rank", "from ddp_lesson import launch", "(kernel side)"),             # a short name is followed
+    ("rank", "from ddp_lesson.widgets import RunPanel", "(notebook side)"),
+    ("rank", "import matplotlib.pyplot as plt", "matplotlib, which a rank must not need"),
+    ("kernel", "from ..notebook.plots import LivePlot", "(notebook side)"),
+    ("kernel", "from ddp_lesson import diagrams", "(notebook side)"),
+    ("kernel", "from ddp_lesson import world", "by its short name"),   # the right world, the wrong name
+])
+def test_a_planted_wrong_import_is_found(world, line, what):
+    """The check can fail: a wrong import, planted lazily at the end of a real module's source."""
+    real = PACKAGE / world / ("metrics.py" if world == "rank" else "launch.py")
+    source = real.read_text() + f"\n\ndef _planted():\n    {line}\n"
+    found = violations(real.name, world, source, f"ddp_lesson.{world}", stem=real.stem)
+    assert any(what in v for v in found), (line, found)
+    assert not violations(real.name, world, real.read_text(), f"ddp_lesson.{world}", stem=real.stem)
+
+
+def test_a_module_planted_in_a_folder_takes_its_world(tmp_path):
+    """In a copy of the package, a new file's folder alone makes it rank or kernel side, and
+    the whole scan names it."""
+    copy = tmp_path / "ddp_lesson"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert scan(copy) == []
+    (copy / "rank" / "planted_rank.py").write_text("from ..kernel import launch\n")
+    (copy / "kernel" / "planted_kernel.py").write_text("def f():\n    from ..notebook import widgets\n")
+    found = scan(copy)
+    assert any(f.startswith("rank/planted_rank.py (rank side) imports ddp_lesson.kernel.launch") for f in found), found
+    assert any(f.startswith("kernel/planted_kernel.py (kernel side) imports ddp_lesson.notebook.widgets")
+               for f in found), found
+    assert len(found) == 2, found
+
+
+# --- the short names: `from ddp_lesson import launch` is ddp_lesson.kernel.launch ---
+
+def test_every_old_name_is_the_real_module():
+    assert set(OLD_NAMES) <= set(SHORT), set(OLD_NAMES) - set(SHORT)
+    for name in OLD_NAMES:
+        if name == "forked_rank":   # a rank's entry file: importing it runs the guard
+            continue
+        real = importlib.import_module(f"ddp_lesson.{SHORT[name]}.{name}")
+        assert importlib.import_module(f"ddp_lesson.{name}") is real, name
+        assert sys.modules[f"ddp_lesson.{name}"] is real and getattr(ddp_lesson, name) is real, name
+        assert real.__name__ == real.__spec__.name == f"ddp_lesson.{SHORT[name]}.{name}"
+    from ddp_lesson.diagrams.shapes import DEVICE_COLOURS
+    from ddp_lesson.notebook.diagrams import shapes
+    assert DEVICE_COLOURS is shapes.DEVICE_COLOURS
+    assert importlib.import_module("ddp_lesson.diagrams.shapes") is shapes
+
+
+def test_a_monkeypatch_through_the_short_name_patches_the_real_module(monkeypatch):
+    from ddp_lesson.kernel import launch
+    monkeypatch.setattr("ddp_lesson.launch.STOP_GRACE_S", 0.25)
+    assert launch.STOP_GRACE_S == 0.25
+
+
+@pytest.mark.parametrize("name", ["ddp_lesson.nothing", "ddp_lesson.kernel.nothing",
+                                  "ddp_lesson.launch.nothing", "ddp_lesson.notebook.nothing"])
+def test_an_unknown_name_still_raises(name):
+    with pytest.raises(ImportError):
+        importlib.import_module(name)
+    with pytest.raises(ImportError):
+        exec(f"from ddp_lesson import {name.split('.')[-1]}", {})

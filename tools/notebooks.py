@@ -1,6 +1,6 @@
 """The one way to keep the notebooks in shape. Prose and ordinary code cells: the .ipynb files
 are the source (edit them in JupyterLab or an editor). `%%writefile work/<name>.py` cells: the
-script of that name in ddp_lesson/scripts/<role>/ is the source (edit it, then `sync` writes the
+script of that name in ddp_lesson/rank/scripts/<role>/ is the source (edit it, then `sync` writes the
 cell; `ddp_lesson.bundled.script(name)` finds it, whatever its role folder). Then
 
     python tools/notebooks.py check   # every notebooks/*.ipynb; non-zero exit naming notebook and cell

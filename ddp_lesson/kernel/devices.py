@@ -1,0 +1,178 @@
+"""Which devices a run gets: GPUs from nvidia-smi (CUDA is never initialised in the
+calling process, so a notebook kernel stays fork-safe), or CPU processes on gloo."""
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from .. import BadInput
+from . import checks
+
+CPU_DEFAULT_NPROC = 2
+
+
+@dataclass
+class GPU:
+    index: int          # physical index, in PCI bus order (what nvidia-smi shows)
+    name: str
+    memory_total_mb: int
+    memory_used_mb: int
+    uuid: str = ""
+    processes: list = field(default_factory=list)  # [(pid, used_mb), ...]
+
+    @property
+    def busy(self):
+        return bool(self.processes)
+
+    def label(self):
+        busy = f", in use by {len(self.processes)} process(es)" if self.busy else ""
+        return (f"GPU {self.index}: {self.name}, {self.memory_total_mb / 1024:.0f} GiB "
+                f"({self.memory_used_mb} MiB used){busy}")
+
+
+def _smi(args):
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, *args, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _visible(gpus, setting):
+    """The GPUs a CUDA_VISIBLE_DEVICES value (physical indices or UUIDs, as an instructor
+    may set per learner) leaves to this process. CUDA stops at the first unknown entry."""
+    kept = []
+    for item in (part.strip() for part in setting.split(",")):
+        match = [g for g in gpus if item and (item == str(g.index) or g.uuid.startswith(item))]
+        if len(match) != 1:
+            break
+        kept.append(match[0])
+    return kept
+
+
+def list_gpus():
+    """NVIDIA GPUs this process may use (empty list when there are none or no driver).
+    Indices are physical (nvidia-smi's); a CUDA_VISIBLE_DEVICES already set in this
+    process's environment narrows the list, so a learner given GPUs 2,3 sees only those."""
+    rows = _smi(["--query-gpu=index,name,memory.total,memory.used,uuid"])
+    if not rows:
+        return []
+    gpus = {}
+    for idx, name, total, used, uuid in rows:
+        gpus[uuid] = GPU(int(idx), name, int(float(total)), int(float(used)), uuid)
+    for row in _smi(["--query-compute-apps=gpu_uuid,pid,used_memory"]) or []:
+        if len(row) == 3 and row[0] in gpus:
+            try:
+                gpus[row[0]].processes.append((int(row[1]), int(float(row[2]))))
+            except ValueError:
+                pass
+    found = sorted(gpus.values(), key=lambda g: g.index)
+    setting = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return found if setting is None else _visible(found, setting)
+
+
+def utilisation(indices=None):
+    """[(index, busy %, memory used MiB, memory total MiB)] per GPU from nvidia-smi (physical
+    indices, as in a run's config), [] without GPUs. Never touches CUDA in this process."""
+    rows = _smi(["--query-gpu=index,utilization.gpu,memory.used,memory.total"]) or []
+    out = []
+    for row in rows:
+        try:
+            idx, util, used, total = int(row[0]), float(row[1]), float(row[2]), float(row[3])
+        except (ValueError, IndexError):  # "[N/A]" on some boards
+            continue
+        if indices is None or idx in indices:
+            out.append((idx, util, used, total))
+    return out
+
+
+def cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_cpu_nproc():
+    """CPU ranks when none are asked: DDP_LESSON_NPROC if set (so tests and CI can play a
+    machine with N devices), else CPU_DEFAULT_NPROC, at most one per core."""
+    value = os.environ.get("DDP_LESSON_NPROC", "").strip()
+    if not value:
+        return max(1, min(CPU_DEFAULT_NPROC, cpu_count()))
+    return checks.number("DDP_LESSON_NPROC", value, 1)
+
+
+def backend_for(use_gpus):
+    """nccl for GPU ranks (not on Windows, where NCCL does not exist), gloo otherwise."""
+    return "nccl" if use_gpus and sys.platform.startswith("linux") else "gloo"
+
+
+@dataclass
+class Plan:
+    nproc: int
+    gpus: list          # physical GPU indices, empty for CPU ranks
+    backend: str
+    env: dict           # what every rank's environment gets
+
+    def describe(self):
+        return describe(self.nproc, self.gpus, self.backend)
+
+
+def describe(nproc, gpus, backend):
+    """The one wording of a device plan, for a Plan, a run's config and the picker."""
+    if gpus and gpus != "cpu":
+        return f"{nproc} rank(s) on GPU(s) {','.join(map(str, gpus))} with {backend}"
+    return f"{nproc} CPU process(es) with {backend}"
+
+
+def _as_ids(gpus):
+    if isinstance(gpus, str):
+        parts = [p.strip() for p in gpus.split(",") if p.strip()]
+        try:
+            return [int(p) for p in parts]
+        except ValueError:
+            raise BadInput(f"--gpus takes GPU numbers separated by commas, like 0,1; got {gpus!r}.") from None
+    return [int(g) for g in gpus]
+
+
+def plan(nproc=None, gpus=None, cpu=False, available=None):
+    """Turn a request into a Plan, or raise BadInput with one sentence.
+
+    gpus: None (all GPUs, or CPU ranks when there are none), a list of physical ids or
+    "0,1"; cpu=True forces CPU ranks on gloo even where GPUs exist."""
+    nproc = checks.number("--nproc", nproc, 1, allow_none=True)
+    found = list_gpus() if available is None else available
+    if gpus is not None and not cpu:
+        ids = _as_ids(gpus)
+        if not ids:
+            raise BadInput("No GPU was selected; pick at least one, or use CPU processes.")
+        have = {g.index for g in found}
+        missing = [i for i in ids if i not in have]
+        if missing:
+            what = f"GPUs {sorted(have)}" if have else "no NVIDIA GPU"
+            raise BadInput(f"GPU {','.join(map(str, missing))} does not exist: this machine has {what}.")
+        if len(set(ids)) != len(ids):
+            raise BadInput(f"GPU ids must not repeat, got {ids}.")
+        if nproc is not None and nproc != len(ids):
+            raise BadInput(f"One process per GPU: {len(ids)} GPU(s) selected but {nproc} processes asked.")
+        return _gpu_plan(ids)
+    if found and not cpu:
+        if nproc is not None and nproc > len(found):
+            raise BadInput(f"This machine has {len(found)} GPU(s); ask for at most {len(found)} "
+                           f"processes, or use CPU processes (--cpu).")
+        return _gpu_plan([g.index for g in found][: nproc or len(found)])
+    n = checks.cpu_ranks(nproc or default_cpu_nproc(), cpu_count())
+    threads = max(1, cpu_count() // n)
+    return Plan(n, [], "gloo", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)})
+
+
+def _gpu_plan(ids):
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    return Plan(len(ids), ids, backend_for(True), env)

@@ -1,0 +1,212 @@
+"""Pre-flight checks for a workshop (`python -m ddp_lesson doctor`) and `cleanup`.
+
+One line per check: ok / warn / fail, with what to do."""
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+from . import devices, launch
+from ..rank import procs, rundir
+from ..rank.bundled import script
+from ..rank.rundir import read_json, write_json
+
+# The oldest torch the whole test suite passed on (requirements.txt and pyproject.toml say the
+# same). Older releases lack what lessons use: DDP(forward_sync_buffers=...) in 03b and 04,
+# FSDP2's fully_shard and torch.distributed.checkpoint's APIs in 10.
+TORCH_FLOOR = (2, 14, 1)
+
+
+def _line(level, text, out):
+    print(f"{level:<5} {text}", file=out, flush=True)
+    return level
+
+
+def _version(pkg):
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def release(version):
+    """(2, 14, 1) for "2.14.1+cpu" or "2.14.1a0"; a missing patch number counts as 0."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return tuple(int(g or 0) for g in m.groups()) if m else (0, 0, 0)
+
+
+def torch_floor_line(version, out):
+    """ok when `version` is at least TORCH_FLOOR, else a warning that says what will break."""
+    floor = ".".join(map(str, TORCH_FLOOR))
+    if release(version) >= TORCH_FLOOR:
+        return _line("ok", f"torch {version} is at least {floor}, the oldest release the course was tested on", out)
+    return _line("warn", f"torch {version} is older than {floor}, the oldest release the course was tested on: "
+                         f"notebooks 03b, 04 and 10 use APIs it may lack; "
+                         f"upgrade with `python -m pip install -r requirements.txt`", out)
+
+
+def check_versions(out):
+    import torch  # CUDA is not initialised by reading versions
+    levels = [_line("ok", f"python {platform.python_version()}, torch {torch.__version__}, "
+                          f"torchvision {_version('torchvision') or 'missing'}", out)]
+    levels.append(torch_floor_line(torch.__version__, out))
+    cuda = torch.version.cuda
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    except Exception:  # a CPU build has no NCCL
+        nccl = None
+    levels.append(_line("ok", f"CUDA build {cuda or 'none (CPU-only torch)'}, NCCL {nccl or 'none'}, "
+                              f"distributed {'available' if torch.distributed.is_available() else 'MISSING'}",
+                        out))
+    if not torch.distributed.is_available():
+        levels.append(_line("fail", "torch.distributed is not available: install a regular PyTorch build", out))
+    return levels
+
+
+def check_gpus(out):
+    gpus = devices.list_gpus()
+    if not gpus:
+        return [_line("ok", "no NVIDIA GPU (or no driver): lessons run as CPU processes on gloo", out)]
+    levels = []
+    for g in gpus:
+        if g.busy:
+            pids = ", ".join(str(p) for p, _ in g.processes)
+            levels.append(_line("warn", f"{g.label()}: busy (pids {pids}); pick another GPU or "
+                                        f"end those processes (`python -m ddp_lesson cleanup` for ours)", out))
+        else:
+            levels.append(_line("ok", g.label(), out))
+    return levels
+
+
+def check_host(out):
+    levels = []
+    cores = devices.cpu_count()
+    levels.append(_line("ok" if cores >= 2 else "warn",
+                        f"{cores} CPU core(s) available" + ("" if cores >= 2 else
+                        ": 2 CPU ranks will share one core; runs will be slow"), out))
+    if os.path.isdir("/dev/shm"):
+        shm = shutil.disk_usage("/dev/shm").total / 2 ** 30
+        levels.append(_line("ok" if shm >= 1 else "warn", f"/dev/shm {shm:.1f} GiB" + ("" if shm >= 1 else
+                            ": DataLoader workers and NCCL need more; in Docker use --shm-size=8g"), out))
+    try:
+        port = launch.free_port()
+        levels.append(_line("ok", f"a free rendezvous port on 127.0.0.1 (e.g. {port}); runs never "
+                                  f"use a fixed port", out))
+    except OSError as e:
+        levels.append(_line("fail", f"cannot bind a port on 127.0.0.1 ({e}); check the loopback interface", out))
+    left = [p for run_dir, ps in procs.by_run().items() if supervisor(run_dir) is None for p in ps]
+    if left:
+        levels.append(_line("warn", f"{len(left)} process(es) of earlier ddp_lesson runs are still alive: "
+                                    f"run `python -m ddp_lesson cleanup`", out))
+    else:
+        levels.append(_line("ok", "no leftover processes of ddp_lesson runs", out))
+    return levels
+
+
+def check_store(out):
+    """Where a --standalone run's rendezvous store listens. torch (checked up to 2.14) binds
+    its TCPStore server to every interface whatever host it is given, and torchrun offers no
+    setting to change that, so the launcher cannot keep it on loopback: say so."""
+    import torch.distributed as dist
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    try:
+        port = store.port
+        bound = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+    finally:
+        del store
+    if bound and all(ip in ("127.0.0.1", "::1") for ip in bound):
+        return [_line("ok", "the rendezvous store of a single-node run listens on loopback only", out)]
+    return [_line("warn", f"the rendezvous store of a single-node run listens on all interfaces "
+                          f"({', '.join(bound) or '?'}, a free port per run; torch offers no loopback "
+                          f"setting): on a shared server firewall it off (docs/instructors.md)", out)]
+
+
+def check_allreduce(out, timeout=120):
+    gpus = devices.list_gpus()
+    kwargs = {"nproc": min(2, len(gpus))} if gpus else {"nproc": 2, "cpu": True}
+    with tempfile.TemporaryDirectory(prefix="ddp-lesson-doctor-") as tmp:
+        run = launch.start(script("allreduce_check.py"), run_dir=Path(tmp) / "run",
+                           timeout=timeout, label="doctor", **kwargs)
+        result = run.wait()
+        if result["status"] == "ok":
+            return [_line("ok", run.log_tail(0, 1) + f" in {result['duration_s']:.1f} s", out)]
+        return [_line("fail", f"2-rank all_reduce smoke test {result['status']}: "
+                              f"{result.get('message', '').splitlines()[0] if result.get('message') else ''} "
+                              f"(run `python -m ddp_lesson run` on a small script to see more)", out)]
+
+
+def main(out=sys.stdout):
+    print(f"ddp_lesson doctor on {socket.gethostname()} ({platform.platform()})", file=out)
+    levels = []
+    for check in (check_versions, check_gpus, check_host, check_store, check_allreduce):
+        try:
+            levels += check(out)
+        except Exception as e:  # a broken check must not hide the others
+            levels.append(_line("fail", f"{check.__name__} crashed: {type(e).__name__}: {e}", out))
+    fails, warns = levels.count("fail"), levels.count("warn")
+    print(f"{fails} failure(s), {warns} warning(s)", file=out)
+    return 1 if fails else 0
+
+
+def supervisor(run_dir):
+    """The PID of the process that launched the run (a notebook kernel, a terminal) while
+    it lives, else None."""
+    launcher = (read_json(rundir.config(run_dir), {}) or {}).get("launcher") or {}
+    alive = procs.is_alive(launcher.get("pid"), launcher.get("create_time"))
+    return launcher["pid"] if alive else None
+
+
+def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
+    """End the leftover processes of this user's ddp_lesson runs (found by the
+    DDP_LESSON_RUN_DIR in their environment; nothing else is touched). A run whose
+    launcher is still alive is not a leftover and is spared, unless everything=True."""
+    by_run = procs.by_run()
+    if not everything:
+        for run_dir in list(by_run):
+            pid = supervisor(run_dir)
+            if pid is not None:
+                print(f"sparing run {run_dir}: its launcher (pid {pid}) still supervises it "
+                      f"(use --all to end it too)", file=out)
+                del by_run[run_dir]
+    found = [p for ps in by_run.values() for p in ps]
+    warm = [p for p, (pid, started) in procs.warm_processes().items()
+            if everything or not procs.is_alive(pid, started)]
+    for p in warm:
+        print(f"{'would end' if dry_run else 'ending'} pid {p.pid}: a warm process whose launcher "
+              f"{'is gone' if not everything else 'may still use it'}", file=out)
+    if not dry_run and warm:
+        procs.kill_all(warm)
+        procs.wait_gone(warm, 5)
+    if not found:
+        if not warm:
+            print("no leftover processes of ddp_lesson runs", file=out)
+        return 0
+    for run_dir, ps in sorted(by_run.items()):
+        for p in ps:
+            try:
+                what = " ".join(p.cmdline()[-3:])
+            except psutil.Error:
+                what = "?"
+            print(f"{'would end' if dry_run else 'ending'} pid {p.pid} of run {run_dir}: ...{what}", file=out)
+    if dry_run:
+        return 0
+    procs.kill_all(found, signal.SIGTERM)
+    alive = procs.wait_gone(found, grace)
+    procs.kill_all(alive)
+    procs.wait_gone(alive, 5)
+    for run_dir in by_run:
+        if run_dir and rundir.config(run_dir).exists() and not rundir.result(run_dir).exists():
+            write_json(rundir.result(run_dir), {"status": "interrupted", "returncode": None,
+                                                "duration_s": None,
+                                                "message": "Ended by `python -m ddp_lesson cleanup`."})
+    print(f"ended {len(found)} process(es) of {len(by_run)} run(s)", file=out)
+    return 0

@@ -1,0 +1,479 @@
+"""Start a real torchrun process tree without blocking, supervise it, and clean up.
+
+    run = launch.start("train.py", nproc=2, args=["--epochs", "1"])
+    run.metrics()      # new metric rows since the last call
+    run.wait()         # -> result dict (also written to result.json)
+    run.stop()         # SIGTERM, short grace, then SIGKILL of every process of the run
+
+torchrun runs as `python -m torch.distributed.run` in its own session, under
+ddp_lesson.rank.guard (ends it if this process dies); each rank runs under the guard too.
+
+Launches are warm by default: a warm process (ddp_lesson.rank.warm_server, started ahead of need by
+warm_up()) that has imported torch forks the run's agent, which runs that same torchrun module
+with torchrun's own `--run-path --start-method fork`, so the ranks are forked too and nobody
+imports torch again. A launch is cold (a new interpreter for the agent and each rank, the CLI
+torchrun of config["command"]) with cold=True, DDP_LESSON_COLD=1, over several nodes, or when
+the warm process cannot serve it; config["launch"] says which, and why.
+"""
+import atexit
+import importlib.metadata
+import os
+import platform
+import queue
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .. import BadInput, __version__
+from . import checks, devices, failures, interrupts, stacks, warm
+from ..rank import guard, procs, rundir
+from ..rank.rundir import write_json
+from .runs import LogTail, MetricsTail, new_run_dir, tail_text
+
+SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
+STOP_GRACE_S = 5.0       # our wait for torchrun itself before SIGKILL of everything
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+
+_live = set()
+
+# What the launcher's own environment may hold but a fresh run must not inherit: a kernel
+# started under torchrun or Slurm, or a shell where a tutorial exported MASTER_PORT, would
+# otherwise turn the agent into "a rank" and mix its rendezvous with another one.
+SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+         "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+         "TORCH_NCCL_ASYNC_ERROR_HANDLING_RANK")
+SCRUB_PREFIXES = ("TORCHELASTIC_", "PET_", "DDP_LESSON_RUN_", "DDP_LESSON_AGENT_", "DDP_LESSON_WARM_",
+                  "DDP_LESSON_FORKED")
+
+
+def clean_env(env):
+    return {k: v for k, v in env.items() if k not in SCRUB and not k.startswith(SCRUB_PREFIXES)}
+
+
+def base_env():
+    """What every process of a launch starts from: this process's environment, cleaned, with
+    this package importable and output unbuffered (a rank's print reaches its log at once)."""
+    env = clean_env(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+# Processes are spawned from one long-lived thread: a parent-death signal is tied to the
+# thread that forked, so a short-lived caller thread (a widget callback, say) must not be it.
+# That thread also registers the run and starts its watcher, so an interrupt in the caller
+# (which only the main thread receives) cannot leave an agent without either.
+_requests = queue.Queue()
+
+
+def _spawner():
+    while True:
+        req = _requests.get()
+        try:
+            req["box"].append(req["fn"]())
+        except BaseException as e:  # handed back to the caller
+            req["box"].append(e)
+        req["ready"].set()
+        if req["cancelled"]:
+            _cancel(req)
+
+
+def _cancel(req):
+    """The caller was interrupted while its run was being started: stop that run."""
+    with _spawn_lock:
+        if req.get("cancel_done") or not req["box"]:
+            return
+        req["cancel_done"] = True
+    run = req["box"][0]
+    if isinstance(run, Run):
+        threading.Thread(target=run.stop, name="ddp-lesson-cancel", daemon=True).start()
+
+
+_spawn_thread = None
+_spawn_lock = threading.Lock()
+
+
+def _in_spawner(fn):
+    global _spawn_thread
+    with _spawn_lock:
+        if _spawn_thread is None:
+            _spawn_thread = threading.Thread(target=_spawner, name="ddp-lesson-spawner", daemon=True)
+            _spawn_thread.start()
+    req = {"fn": fn, "box": [], "ready": threading.Event(), "cancelled": False}
+    try:
+        with interrupts.Held():   # put() takes a Condition's lock in Python code
+            _requests.put(req)
+        interrupts.wait_for(req["ready"])
+    except BaseException:
+        req["cancelled"] = True  # the spawner checks this after it has set ready...
+        if req["ready"].is_set():  # ...and this sees the case where it already had
+            _cancel(req)
+        raise
+    if isinstance(req["box"][0], BaseException):
+        raise req["box"][0]
+    return req["box"][0]
+
+
+COLD_ENV = "DDP_LESSON_COLD"   # "1": every launch is cold, as a CLI torchrun
+WARM_WAIT_S = 60               # how long a launch waits for a warm process that is starting
+_warm = None
+_warm_lock = threading.Lock()
+
+
+def warm_up():
+    """Start this launcher's warm process if it has none or a stale one, without waiting for
+    it (it imports torch: a few seconds of one core). Call it ahead of need: a panel does when
+    it is displayed. Returns the warm.Server, or None where launches are cold anyway."""
+    global _warm
+    if os.environ.get(COLD_ENV) or not sys.platform.startswith("linux"):
+        return None
+    env = base_env()
+    with _warm_lock:
+        old = _warm
+        if old is not None and (not old.alive() or (old.hello and old.why_not(env))):
+            _warm = None
+        if _warm is None:
+            _warm = _in_spawner(lambda: warm.Server(env))   # tied to the spawner thread, which lives on
+        server = _warm
+    if old is not None and old is not server:
+        old.stop()
+    return server
+
+
+def _warm_server(env, cold, nnodes):
+    """(the warm process to use, None) or (None, why this launch is cold)."""
+    if cold:
+        return None, "asked for (cold=True, --cold)"
+    if os.environ.get(COLD_ENV):
+        return None, f"{COLD_ENV} is set"
+    if nnodes > 1:
+        return None, "a run over several nodes starts its agents as a CLI torchrun does"
+    server = warm_up()
+    if server is None:
+        return None, "warm launches need Linux (fork and prctl)"
+    if not interrupts.wait_for(server.started, WARM_WAIT_S):
+        return None, f"the warm process was not up within {WARM_WAIT_S} s"
+    why = server.why_not(env)
+    if why is not None:
+        warm_up()   # replaces a stale one for the next launch
+        return None, why
+    return server, None
+
+
+def _versions():
+    out = {"python": platform.python_version(), "ddp_lesson": __version__}
+    for pkg in ("torch", "torchvision"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def free_port(host="127.0.0.1"):
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _prepare_run_dir(run_dir, script):
+    path = Path(run_dir) if run_dir else new_run_dir(name=Path(script).stem)
+    if path.exists() and not path.is_dir():
+        raise BadInput(f"The run directory {path} is a file; give a folder that does not exist yet.")
+    if path.is_dir() and any(path.iterdir()):
+        raise BadInput(f"The run directory {path} is not empty; give a new folder so runs never mix.")
+    try:
+        return rundir.create(path)
+    except FileExistsError:
+        raise BadInput(f"The run directory {path} is already used by another run; give a new folder.") from None
+    except OSError as e:
+        raise BadInput(f"Cannot create the run directory {path}: {e.strerror}.") from None
+
+
+def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_restarts=0,
+          timeout=None, env=None, label=None, nnodes=1, node_rank=0, rdzv_endpoint=None,
+          rdzv_id=None, private_files=None, cold=False):
+    """Launch `script` under torchrun and return a Run at once. Bad input raises
+    BadInput (one sentence) before anything starts. private_files: {name: bytes} written
+    into the run directory, readable by this user only, before any process starts.
+    cold: start the agent and every rank as new interpreters, as a CLI torchrun does."""
+    script = Path(script)
+    if not script.is_file():
+        raise BadInput(f"The script {script} does not exist." if not script.exists()
+                       else f"The script {script} is not a file.")
+    max_restarts = checks.number("--max-restarts", max_restarts, 0)
+    timeout = checks.number("--timeout", timeout, 0.001, kind=float, allow_none=True)
+    nnodes = checks.number("--nnodes", nnodes, 1)
+    node_rank = checks.number("--node-rank", node_rank, 0)
+    if node_rank >= nnodes:
+        raise BadInput(f"--node-rank must be below --nnodes ({nnodes}), got {node_rank}.")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise BadInput("A run over several nodes needs --rdzv-endpoint HOST:PORT (node 0's address).")
+    args = [str(a) for a in args]
+    plan = devices.plan(nproc=nproc, gpus=gpus, cpu=cpu)
+    user_env = {k: str(v) for k, v in (env or {}).items()}
+    server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, cold, nnodes)
+    path = _prepare_run_dir(run_dir, script)
+    shutil.copyfile(script, rundir.script(path))
+    for name, data in (private_files or {}).items():
+        rundir.write_bytes(path / name, data, private=True)
+
+    if nnodes == 1:
+        rdzv = ["--standalone"]
+    else:
+        rdzv = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", str(rdzv_id or "ddp-lesson")]
+    token = secrets.token_hex(8)
+    torchrun = ["-m", "torch.distributed.run", *rdzv,
+                "--nproc-per-node", str(plan.nproc), "--max-restarts", str(max_restarts),
+                "--log-dir", str(rundir.torchrun_logs(path)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                "--monitor-interval", "0.1"]
+    rank = ["--rank", str(rundir.script(path)), *args]
+    cmd = [sys.executable, "-m", "ddp_lesson.rank.guard", "--agent", "--parent", str(os.getpid()),
+           "--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
+    # the warm agent: the same torchrun module, told to run the rank's entry file in forked
+    # workers (its own --run-path and --start-method fork); the warm process adds --agent --parent
+    warm_args = ["--signal", "TERM", *torchrun, "--run-path", "--start-method", "fork",
+                 str(Path(guard.__file__).with_name("forked_rank.py")), *rank]
+    child_env = base_env()
+    child_env.update(plan.env)
+    child_env.update({
+        rundir.ENV: str(path),
+        rundir.TOKEN_ENV: token,  # with the run dir, what identifies this run's processes
+        "DDP_LESSON_SCRIPT_DIR": str(script.resolve().parent),
+        "DDP_LESSON_BACKEND": plan.backend,
+    })
+    # torchrun >= 2.5 hands its rendezvous store to the ranks and keeps it across elastic
+    # restarts, so a restarted rank can read the previous attempt's gloo/NCCL addresses and
+    # fail ("connectFullMesh ... Connection refused") or hang (pytorch/pytorch#135712).
+    # A fresh store per attempt, hosted by rank 0 on a free port, avoids that. Only where
+    # restarts can happen: otherwise runs stay exactly as under plain torchrun.
+    if max_restarts > 0:
+        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    child_env.update(user_env)
+    config = {
+        "script": str(script.resolve()), "args": args, "label": label or script.stem,
+        "nproc": plan.nproc, "devices": plan.gpus or "cpu", "backend": plan.backend,
+        "world_size": plan.nproc * nnodes, "nnodes": nnodes, "node_rank": node_rank,
+        "rdzv_endpoint": rdzv_endpoint, "max_restarts": max_restarts, "timeout": timeout,
+        "token": token,
+        "env": {k: child_env[k] for k in sorted(set(plan.env) | set(env or {}))},
+        "versions": _versions(), "host": socket.gethostname(),
+        # who supervises the run: `cleanup` spares runs whose launcher is still alive
+        "launcher": {"pid": os.getpid(), "create_time": procs.create_time(os.getpid())},
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_unix": time.time(),
+        "command": cmd,   # the cold launch; a warm one runs the same torchrun (see "launch")
+        "torchrun": torchrun_line(plan.nproc, rdzv, max_restarts, script.name, args),
+        "launch": {"mode": "warm" if server else "cold", "why": why_cold,
+                   "warm_pid": server.pid if server else None},
+    }
+    write_json(rundir.config(path), config)
+    warm_spawn = None
+    if server is not None:
+        warm_spawn = (server, warm_args, {**child_env, guard.FORKED_ENV: "1"})
+    return Run(path, cmd, child_env, config, timeout, warm_spawn)
+
+
+def torchrun_line(nproc, rdzv, max_restarts, script_name, args):
+    """The plain torchrun command a learner would type for this launch."""
+    words = ["torchrun", *rdzv, f"--nproc-per-node={nproc}"]
+    if max_restarts:
+        words.append(f"--max-restarts={max_restarts}")
+    return " ".join(words + [script_name, *args])
+
+
+class Run:
+    """Handle on one launch. Safe to poll from a notebook's main thread."""
+
+    def __init__(self, run_dir, cmd, env, config, timeout, warm_spawn=None):
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.timeout = timeout
+        self.token = config["token"]
+        self.rows = []
+        self.result = None
+        self.proc = None
+        self._metrics = MetricsTail(run_dir)
+        self._done = threading.Event()
+        self._stop_requested = False
+        self._timed_out = False
+        self._t0 = time.monotonic()
+        _in_spawner(lambda: self._spawn(cmd, env, warm_spawn))
+
+    def _spawn(self, cmd, env, warm_spawn):
+        """In the spawner thread: the agent, its place in _live and its watcher, together."""
+        self.proc = None
+        if warm_spawn is not None:
+            server, args, warm_env = warm_spawn
+            try:
+                self.proc = server.spawn(args, warm_env, os.getcwd(), rundir.agent_log(self.run_dir))
+            except warm.Unavailable as e:   # cold after all, and config.json says so
+                self.config["launch"] = {"mode": "cold", "why": str(e), "warm_pid": None}
+                write_json(rundir.config(self.run_dir), self.config)
+        if self.proc is None:
+            with open(rundir.agent_log(self.run_dir), "wb") as agent_log:
+                self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=agent_log,
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             cwd=os.getcwd())
+        # held from the start (only our watcher reaps it), so a reused PID is never signalled
+        self._agent = procs.process(self.proc.pid)
+        _live.add(self)
+        threading.Thread(target=self._watch, name="ddp-lesson-watch", daemon=True).start()
+        return self
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    @property
+    def status(self):
+        return self.result["status"] if self.result else "running"
+
+    @property
+    def elapsed(self):
+        """Seconds since the run started (until it ended, once it has)."""
+        return self.result["duration_s"] if self.result else time.monotonic() - self._t0
+
+    def done(self):
+        return self._done.is_set()
+
+    def wait_done(self, timeout=None):
+        """Block up to `timeout` seconds (None: until the end); True if the run has ended.
+        Unlike wait(), an interrupt here does not stop the run."""
+        return interrupts.wait_for(self._done, timeout)
+
+    def pids(self):
+        """PIDs of the agent and its descendants alive now."""
+        return [p.pid for p in procs.tree(self._agent)]
+
+    # -- reading back -----------------------------------------------------------------
+    def metrics(self):
+        """Metric rows written since the last call (all ranks, ordered by time)."""
+        new = self._metrics.read()
+        self.rows.extend(new)
+        return new
+
+    def log_tail(self, rank=0, lines=20, stream="stdout"):
+        return tail_text(rundir.rank_log(self.run_dir, rank, stream), lines)
+
+    def output(self, ranks=None):
+        """A LogTail over the ranks' stdout/stderr, for following them live."""
+        return LogTail(self.run_dir, ranks=ranks)
+
+    # -- control ----------------------------------------------------------------------
+    def wait(self, timeout=None):
+        """Block until the run ends (or `timeout` seconds pass: then None). An interrupt
+        (Ctrl-C, the notebook's stop button) stops the run before it propagates."""
+        try:
+            if not interrupts.wait_for(self._done, timeout):
+                return None
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        return self.result
+
+    def stop(self, grace=STOP_GRACE_S):
+        """End every process of the run; status becomes `interrupted` unless it had ended."""
+        if not self._done.is_set():
+            self._stop_requested = True
+            procs.end_tree(self._agent, grace=grace, run_dir=self.run_dir, token=self.token)
+            interrupts.wait_for(self._done, 30)
+        return self.result
+
+    # -- supervision (watch thread) ---------------------------------------------------
+    def _watch(self):
+        """Whatever happens here (a run directory deleted under us, a full disk), the run
+        ends: every process of it is ended, and it gets a result and a message."""
+        rc, where, error = None, None, None
+        try:
+            try:
+                rc = self.proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self._timed_out = not self._stop_requested
+                if self._timed_out:
+                    where = self._where_ranks_are()
+                procs.end_tree(self._agent, grace=STOP_GRACE_S, run_dir=self.run_dir, token=self.token)
+                rc = self.proc.wait()
+        except BaseException as e:
+            error = e
+        try:
+            # Nothing of the run may outlive it, whatever happened to the agent.
+            procs.end_tree(self._agent, grace=0, run_dir=self.run_dir, token=self.token)
+            if not isinstance(error, warm.Lost) and self.proc.poll() is None:
+                rc = self.proc.wait()
+            self._finish(rc, where, error)
+        except BaseException as e:
+            self.result = {"status": "failed", "returncode": rc, "duration_s": self.elapsed,
+                           "message": f"Supervising the run failed ({type(e).__name__}: {e}); "
+                                      f"every process of it was ended."}
+        finally:
+            _live.discard(self)
+            self._done.set()
+
+    def _where_ranks_are(self):
+        """Ask each rank (the agent's children) for its Python stack, for the timeout message."""
+        try:
+            ranks = self._agent.children()
+        except Exception:
+            return None
+        procs.kill_all(ranks, signal.SIGUSR1)
+        # each rank's stack is written by its signal handler; on a busy machine that can take a
+        # while, so wait for every live rank's whole stack (up to a few seconds), not a fixed
+        # pause: a stack read half written named a frame inside init_process_group as a collective
+        nproc, end = self.config.get("nproc", 0), time.monotonic() + 5
+
+        def whole(where):
+            return len(where) >= min(nproc, len(ranks)) and all(w["complete"] for w in where.values())
+
+        where = stacks.where(self.run_dir, nproc)
+        while not whole(where) and time.monotonic() < end:
+            time.sleep(0.1)
+            where = stacks.where(self.run_dir, nproc)
+        return where
+
+    def _finish(self, rc, where=None, error=None):
+        duration = round(time.monotonic() - self._t0, 3)
+        if error is not None:
+            status = "failed"
+        elif self._timed_out:
+            status = "timeout"
+        elif self._stop_requested:
+            status = "interrupted"
+        else:
+            status = "ok" if rc == 0 else "failed"
+        result = {"status": status, "returncode": rc, "duration_s": duration}
+        if error is not None:
+            result["message"] = (f"Supervising the run failed ({type(error).__name__}: {error}); "
+                                 f"every process of it was ended.")
+        elif status == "failed":
+            result["failure"] = failures.root_cause(self.run_dir)
+            result["message"] = failures.describe(result["failure"])
+        elif status == "timeout":
+            result["message"] = failures.after_timeout(stacks.timeout_message(self.timeout, where),
+                                                       self.config, where)
+        elif status == "interrupted":
+            result["message"] = "The run was stopped; every process of it has ended."
+        self.result = result
+        write_json(rundir.result(self.run_dir), result)
+
+    def __repr__(self):
+        return f"<Run {self.run_dir.name} {self.status}>"
+
+
+@atexit.register
+def _stop_all():
+    for run in list(_live):
+        run.stop(grace=2)
+    if _warm is not None:
+        _warm.stop()
+
+
+if "ipykernel" in sys.modules:   # a notebook will launch: have torch imported by then
+    warm_up()

@@ -1,0 +1,114 @@
+"""Speed-up and efficiency vs number of ranks, with the time of a step split into compute
+and all-reduce, and a two-term model that predicts the speed-up; all measured in one run.
+
+    rows = scaling.measure([1, 2, 4]); scaling.report(rows)   (notebook 06, bench/scaling.py)
+
+One launch per rank count. Every rank trains SmallCNN on the built-in `shapes` data with
+a fixed per-rank batch, so an epoch of the same data takes 1/n of the steps on n ranks
+(the setting of the s/epoch figures in the blog posts the course grew from). In each launch rank 0 of scripts/workers/scaling_worker.py reports:
+- epoch_s    one real DDP epoch (after a warm-up);
+- compute_s  a step with the all-reduce switched off (`no_sync`): forward, backward, step;
+- compute_max_s  the same, per step the slowest rank's time (median over steps);
+- allreduce_s one all_reduce of a flat tensor as large as all gradients;
+- step_s     epoch_s / steps, a full DDP step.
+Model:  step(n) = compute_max(n) + allreduce(n)  (no overlap assumed, so an upper bound),
+        compute_max = per step, the slowest rank's compute (every rank waits for it);
+        speed-up(n) = n * step(1) / step(n)   (each rank does 1/n of the steps).
+The measured speed-up uses the median step of the real epoch the same way.
+On CPU each rank is given one thread (one rank = one core, like one GPU), so 4 ranks on 2
+cores are oversubscribed: compute(n) grows, and the model sees it because it is measured.
+"""
+import sys
+
+from . import devices, launch, runs
+from ..rank.bundled import script
+
+WORKER = script("scaling_worker.py")
+
+# The blog posts' measurements (named in notebook 00). WZ (ResNet-34, flower_photos, batch 16, Tesla V100): s/epoch on
+# 1, 2, 4, 8 GPUs. The 3090 post: roberta-large, 1029 s on one card, 707 s on two.
+BLOG_WZ_S_PER_EPOCH = {1: 9.0, 2: 5.5, 4: 3.0, 8: 2.0}
+BLOG_3090_S = {1: 1029.0, 2: 707.0}
+
+
+def blog_speedups():
+    wz = {n: BLOG_WZ_S_PER_EPOCH[1] / t for n, t in BLOG_WZ_S_PER_EPOCH.items()}
+    return {"wz_v100": wz, "3090": {n: BLOG_3090_S[1] / t for n, t in BLOG_3090_S.items()}}
+
+
+def default_nprocs(cpu=False):
+    n = 0 if cpu else len(devices.list_gpus())
+    if n == 0:
+        return [1, 2, 4]
+    return [k for k in (1, 2, 4, 8) if k <= n]
+
+
+def run_one(nproc, quick=True, cpu=False, samples=None, batch_size=64, run_dir=None, timeout=300,
+            extras=False):
+    """One launch with `nproc` ranks; returns rank 0's row (with `extras`, also the rows of
+    the all-reduce sweep and of the DDP knobs, under "allreduce" and "knobs")."""
+    samples = samples or (8192 if quick else 32768)  # quick: ~1 s of steps per launch, enough for a stable median
+    run = launch.start(WORKER, nproc=nproc, cpu=cpu, run_dir=run_dir, timeout=timeout,
+                       label=f"scaling-{nproc}", env={"OMP_NUM_THREADS": 1},
+                       args=["--samples", samples, "--batch-size", batch_size,
+                             "--compute-steps", 16 if quick else 30] + (["--extras"] if extras else []))
+    res = run.wait()
+    if res["status"] != "ok":
+        raise RuntimeError(f"scaling run with {nproc} rank(s) {res['status']}: {res.get('message')}")
+    all_rows = runs.load(run.run_dir).rows
+    row = [r for r in all_rows if "epoch_s" in r][0]
+    row["nproc"], row["run_dir"] = nproc, str(run.run_dir)
+    if extras:
+        row["allreduce"] = [r for r in all_rows if r.get("kind") == "allreduce"]
+        row["knobs"] = [r for r in all_rows if r.get("kind") == "knobs"]
+    return row
+
+
+def analyse(rows):
+    """Add speedup, efficiency, predicted step/speed-up, compute share (utilisation)."""
+    base = next(r for r in rows if r["nproc"] == 1)
+    for r in rows:
+        n = r["nproc"]
+        # epoch time from the median step (robust to other people's bursts on the machine);
+        # each rank does 1/n of the steps, so speed-up = n * step(1) / step(n)
+        r["epoch_est_s"] = r["steps"] * r["step_s"]
+        r["speedup"] = base["epoch_est_s"] / r["epoch_est_s"]
+        r["efficiency"] = r["speedup"] / n
+        comm = r["allreduce_s"] if n > 1 else 0.0
+        r["pred_step_s"] = r["compute_max_s"] + comm  # the slowest rank's compute, then the all-reduce
+    for r in rows:  # the model's speed-up: n * step(1) / step(n), with step = compute + all-reduce
+        r["pred_speedup"] = r["nproc"] * base["pred_step_s"] / r["pred_step_s"]
+        r["naive_speedup"] = float(r["nproc"])
+        r["utilisation"] = min(1.0, r["compute_s"] / r["step_s"])  # busy fraction of a step
+    return rows
+
+
+def measure(nprocs=None, quick=True, cpu=False, samples=None, batch_size=64, extras_at=None):
+    """Launch once per rank count (1 always included); `extras_at`: the rank count whose
+    launch also runs the all-reduce sweep and the DDP knobs."""
+    nprocs = list(nprocs or default_nprocs(cpu))
+    if 1 not in nprocs:
+        nprocs = [1] + nprocs
+    return analyse([run_one(n, quick=quick, cpu=cpu, samples=samples, batch_size=batch_size,
+                            extras=(n == extras_at)) for n in nprocs])
+
+
+def report(rows, out=sys.stdout):
+    blogs = blog_speedups()
+    dev = rows[0]["device"]
+    print(f"SmallCNN on shapes, {rows[0]['backend']} ({dev}), per-rank batch fixed:", file=out)
+    print(f"{'ranks':>5} {'s/epoch':>8} {'speed-up':>8} {'effic.':>7} {'compute':>9} {'allreduce':>9} "
+          f"{'step':>8} {'model':>7} {'WZ V100':>8} {'2x3090':>7}", file=out)
+    for r in rows:
+        n = r["nproc"]
+        wz = blogs["wz_v100"].get(n)
+        g = blogs["3090"].get(n)
+        print(f"{n:>5} {r['epoch_est_s']:8.2f} {r['speedup']:7.2f}x {r['efficiency']:6.0%} "
+              f"{r['compute_s'] * 1e3:7.1f}ms {r['allreduce_s'] * 1e3 if n > 1 else 0:7.1f}ms "
+              f"{r['step_s'] * 1e3:6.1f}ms {r['pred_speedup']:6.2f}x "
+              f"{(f'{wz:.2f}x' if wz else '-'):>8} {(f'{g:.3f}x' if g else '-'):>7}", file=out)
+    for r in rows[1:]:
+        err = abs(r["pred_speedup"] - r["speedup"]) / r["speedup"]
+        print(f"ratio: {r['nproc']} ranks: measured/predicted speed-up = {r['speedup'] / r['pred_speedup']:.2f} "
+              f"(model error {err:.0%}); compute with {r['nproc']} ranks / with 1 = "
+              f"{r['compute_s'] / rows[0]['compute_s']:.2f}x", file=out)

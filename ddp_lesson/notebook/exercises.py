@@ -1,0 +1,574 @@
+"""Every exercise's checker, and the one verdict they print: "correct!" or "not yet:".
+
+    run_dir, passed = exercises.attempt("work/ex_set_epoch.py", exercises.check_set_epoch)
+    passed = exercises.grade(exercises.check_cuda_index, cuda_index)     # a function you wrote
+
+A check_* raises AssertionError with one sentence saying what is wrong, or returns True or a
+line saying what it saw. Launched exercises (03-05, 11): the checker reads a finished run
+directory (config.json and the ranks' metrics; check_no_sync also the learner's prediction);
+expectations come from the run's own world size. Pure-function exercises (00-04, 06-08, 10):
+the checker calls the learner's function on cases, in this process. Also the checkers of 09's
+bucketed hook (check_bucketed, on ddp_scratch.check_stage's result; it returns (ok, why)).
+"""
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from ..kernel import launch, runs
+from ..rank.bundled import script
+
+
+def attempt(script, check, nproc=None, timeout=300):
+    """Launch `script` on CPU ranks, wait, run `check` on its run directory and print the
+    verdict. Returns (run_dir, passed)."""
+    run = launch.start(script, nproc=nproc, cpu=True, timeout=timeout)
+    run.wait()
+    return run.run_dir, grade(check, run.run_dir)
+
+
+def grade(check, *answer):
+    """Print the verdict of check(*answer) and return whether it passed: "correct!" (and the
+    line check returned, if any), or "not yet:" and the sentence of its AssertionError. A
+    TypeError counts as "not yet" too: an answer of the wrong kind, such as the starter's None."""
+    try:
+        said = check(*answer)
+    except (AssertionError, TypeError) as e:
+        print("not yet:", e)
+        return False
+    print("correct!", *([said] if isinstance(said, str) else []))
+    return True
+
+
+def _finished(run_dir):
+    rec = runs.load(run_dir)     # reads config.json, result.json and the metrics once
+    assert rec.status == "ok", f"the run ended {rec.status}: {(rec.result or {}).get('message')}"
+    return rec, rec.config["world_size"]
+
+
+def check_set_epoch(run_dir):
+    """03: every epoch a new order, the same shuffle on every rank: disjoint shards that
+    together cover all the data set's samples once per epoch. Every pair of epochs differs, not
+    only neighbours: each rank's order and set of samples, and the split into shards, so a fixed
+    shuffle whose shards rotate over the ranks is rejected."""
+    rec, world = _finished(run_dir)
+    order = defaultdict(list)                    # (rank, epoch) -> indices in training order
+    sizes = {row["samples"] for row in rec.rows if "samples" in row}
+    assert len(sizes) == 1, "the run did not log its data set's size (samples) once, the same on every rank"
+    n = sizes.pop()
+    for row in rec.rows:
+        if "indices" in row:
+            order[row["rank"], row["epoch"]].extend(row["indices"])
+    epochs = sorted({e for _, e in order})
+    assert len(epochs) >= 2, "the run logged fewer than 2 epochs of indices"
+    for e in epochs:
+        shards = [order[r, e] for r in range(world)]
+        everything = sorted(i for s in shards for i in s)
+        assert everything == sorted(set(everything)), \
+            f"epoch {e}: some sample was trained on by two ranks (do all ranks draw the same permutation: the same seed on every rank?)"
+        assert everything == list(range(n)), \
+            f"epoch {e}: the shards cover {len(set(everything) & set(range(n)))} of the {n} samples"
+    for i, a in enumerate(epochs):               # every pair of epochs, not only neighbours
+        for b in epochs[i + 1:]:
+            for r in range(world):
+                assert order[r, a] != order[r, b], \
+                    f"rank {r} saw the same samples in the same order in epochs {a} and {b}"
+                assert world == 1 or set(order[r, a]) != set(order[r, b]), \
+                    f"rank {r} trained on the same samples in epochs {a} and {b}, only reordered: " \
+                    "shuffle all n indices, then give each rank its share"
+            shards_a = sorted(sorted(order[r, a]) for r in range(world))
+            assert world == 1 or shards_a != sorted(sorted(order[r, b]) for r in range(world)), \
+                f"epochs {a} and {b} split the samples into the same shards, only handed to other ranks: " \
+                "draw a new permutation every epoch, from seed + epoch"
+    return f"{world} rank(s), {len(epochs)} epochs, each epoch a new order"
+
+
+def check_global_bn(run_dir):
+    """04: every rank holds, per channel, the mean and the biased variance of every rank's x
+    together (the global batch, as SyncBatchNorm's forward needs them), from the x each rank
+    logged. The ranks hold different numbers of samples, so an unweighted average of their
+    means is wrong, and an average of their variances leaves out the spread between means."""
+    import torch
+    rec, world = _finished(run_dir)
+    assert world > 1, "with one rank its batch is the global batch: run it on 2 or more"
+    xs = {row["rank"]: torch.tensor(row["x"], dtype=torch.float64) for row in rec.rows if "x" in row}
+    got = {row["rank"]: row for row in rec.rows if "var" in row}
+    assert sorted(xs) == sorted(got) == list(range(world)), \
+        "not every rank logged its x and then its mean and var"
+    dims = (0, 2, 3)
+    whole = torch.cat([xs[r] for r in range(world)])
+    want_mean, want_var = whole.mean(dims), whole.var(dims, unbiased=False)
+    own = {r: (xs[r].mean(dims), xs[r].var(dims, unbiased=False)) for r in range(world)}
+    wrong = {  # the common wrong answers, to name the one a learner gave
+        "this rank's own statistics": None,
+        "the unweighted average of the ranks' means": sum(m for m, _ in own.values()) / world,
+        "the average of the ranks' variances": sum(v for _, v in own.values()) / world,
+    }
+    scale = want_var.sqrt()
+    gap = max(((wrong["the average of the ranks' variances"] - want_var).abs() / want_var).max().item(),
+              ((wrong["the unweighted average of the ranks' means"] - want_mean).abs() / scale).max().item())
+    # else an average of the ranks' statistics would pass: this run could not tell them apart
+    assert gap > 1e-3, f"the ranks' batches are too alike to tell a wrong merge from the right one ({gap:.2g})"
+    for r in reversed(range(world)):          # the last first: a copy of rank 0's is named as such
+        mean = torch.tensor(got[r]["mean"], dtype=torch.float64)
+        var = torch.tensor(got[r]["var"], dtype=torch.float64)
+        assert mean.shape == want_mean.shape and var.shape == want_var.shape, \
+            f"rank {r}: mean and var should each hold {len(want_mean)} numbers, one per channel"
+        mean_off = ((mean - want_mean).abs() / scale).max().item()
+        var_off = ((var - want_var).abs() / want_var).max().item()
+        if mean_off < 1e-4 and var_off < 1e-4:
+            continue
+        if ((mean - own[r][0]).abs() / scale).max() < 1e-4 and ((var - own[r][1]).abs() / want_var).max() < 1e-4:
+            raise AssertionError(f"rank {r} still holds {list(wrong)[0]}")
+        if mean_off >= 1e-4:
+            close = ((mean - wrong["the unweighted average of the ranks' means"]).abs() / scale).max() < 1e-4
+            raise AssertionError(f"rank {r}: the mean is off by up to {mean_off:.2g} standard deviations"
+                                 + (": that is the unweighted average of the ranks' means, but rank r holds "
+                                    "3 + r images" if close else ""))
+        close = ((var - wrong["the average of the ranks' variances"]).abs() / want_var).max() < 1e-4
+        raise AssertionError(f"rank {r}: the mean is right, the variance is off by up to {var_off:.1%}"
+                             + (": that is the average of the ranks' variances, which leaves out how far "
+                                "each rank's mean is from the global mean" if close else ""))
+    return f"every one of {world} ranks holds the global batch's {len(want_mean)} means and variances"
+
+
+def all_reduced(run_dir):
+    """05: {placement: [rank][micro-batch] -> did its forward and backward all-reduce?}, from
+    the rows ex_no_sync.py logged."""
+    rec, world = _finished(run_dir)
+    out = {}
+    for row in sorted((r for r in rec.rows if "placement" in r), key=lambda r: (r["rank"], r["step"])):
+        ranks = out.setdefault(row["placement"], [[] for _ in range(world)])
+        ranks[row["rank"]].append(row["all_reduces"] > 0)
+    return out
+
+
+def check_no_sync(run_dir, predicted):
+    """05: `predicted` maps each placement of no_sync() to the micro-batches (numbered from 1)
+    whose forward and backward all-reduce; compared with what the run measured on every rank."""
+    measured = all_reduced(run_dir)
+    assert measured, "the run logged no micro-batches"
+    for placement, ranks in measured.items():
+        synced = [[k + 1 for k, on in enumerate(row) if on] for row in ranks]
+        assert all(s == synced[0] for s in synced), f"{placement}: the ranks all-reduced at different micro-batches {synced}"
+        guess = predicted.get(placement)
+        assert guess is not None, f"no prediction yet for {placement!r}"
+        assert sorted(guess) == synced[0], \
+            f"{placement}: you said micro-batches {sorted(guess)}, which is not what the run measured"
+    return f"all {len(measured)} placements as the run measured them on {len(ranks)} rank(s)"
+
+
+# -- pure-function exercises of 00-08: the learner's function on cases, no launch --------------
+def check_cuda_index(fn):
+    """00: fn(physical, cuda_visible_devices) is the cuda:N index of a physical GPU under that
+    CUDA_VISIBLE_DEVICES, as torch reads it, or raises ValueError where the GPU is hidden."""
+    cases = [(2, "2,3", 0), (3, "2,3", 1), (3, "3,2", 0), (0, "0", 0), (6, "1, 4,6", 2), (4, "1, 4,6", 1),
+             (0, "7,0", 1), (0, "0,9,1", 0), (2, "2gpu,3", 0), (3, "2gpu,3", 1)]
+    for physical, visible, want in cases:
+        try:
+            got = fn(physical, visible)
+        except ValueError as e:
+            got = f"ValueError({e})"
+        assert got == want, f"GPU {physical} with CUDA_VISIBLE_DEVICES={visible!r} is cuda:{want}, you said {got}"
+    for physical, visible in [(0, "2,3"), (1, ""), (1, "0,9,1"), (1, "0,-1,1"), (1, "1,1"), (2, "2,3,2")]:
+        try:
+            fn(physical, visible)
+        except ValueError:
+            continue
+        raise AssertionError(f"GPU {physical} is not visible with CUDA_VISIBLE_DEVICES={visible!r}: expected ValueError")
+    return True
+
+
+def check_dp_chunk_sizes(fn):
+    """01: fn(batch, n_devices) is the list of chunk sizes DataParallel's scatter makes."""
+    import torch
+    for batch in range(1, 40):
+        for n in range(1, 9):
+            want = [len(c) for c in torch.empty(batch).chunk(n)]
+            got = fn(batch, n)
+            assert got is not None and list(got) == want, \
+                f"batch {batch} on {n} devices: DP makes {want}, you said {got}"
+    return True
+
+
+def check_weights(fn):
+    """02: fn(batch, n_devices) is each sample's weight in DataParallel's mean of per-device
+    means, as autograd finds it."""
+    import torch
+    torch.manual_seed(0)
+    for batch in range(1, 25):
+        for n in range(1, 9):
+            losses = torch.rand(batch, dtype=torch.float64, requires_grad=True)
+            torch.stack([c.mean() for c in losses.chunk(n)]).mean().backward()   # DP's split, mean of means
+            want = [round(w, 4) for w in losses.grad.tolist()]
+            got = fn(batch, n)
+            assert got is not None and len(got) == batch, \
+                f"batch {batch} on {n} devices: want one weight per sample, {want}; you said {got}"
+            assert torch.allclose(torch.as_tensor(got, dtype=torch.float64), losses.grad), \
+                f"batch {batch} on {n} devices: the weights are {want}; you said {got}"
+    return True
+
+
+def check_scaled(fn):
+    """03b: fn(per_device_batch, world_size, base_batch, base_lr) -> (global batch, lr by the
+    linear scaling rule)."""
+    cases = [((32, 1, 32, 0.1), 32, 0.1), ((32, 8, 256, 0.1), 256, 0.1), ((64, 4, 32, 0.05), 256, 0.4),
+             ((48, 1, 32, 0.1), 48, 0.15), ((16, 2, 64, 0.1), 32, 0.05),   # k = 1.5, k = 0.5
+             ((48, 8, 32, 0.1), 384, 1.2)]                                  # the notebook's paper example
+    for args, want_batch, want_lr in cases:
+        global_batch, lr = fn(*args)
+        assert global_batch == want_batch, f"scaled{args}: {global_batch} is not this job's global batch"
+        assert abs(lr - want_lr) < 1e-12, f"scaled{args}: with lr {lr:g} an epoch does not go as far as the recipe's"
+    return True
+
+
+def check_merge(fn):
+    """04: fn([(n_r, mean_r, var_r), ...]) -> (mean, var) of the concatenated batch, also for
+    data far from 0 next to its spread (around 1e8)."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    for offset in (0.0, 1e8):                 # data around 0, and far from 0 next to its spread
+        chunks = [torch.randn(n, generator=g, dtype=torch.float64) * s + m + offset
+                  for n, s, m in ((4, 1.0, 0.0), (4, 2.0, 3.0), (7, 0.5, -1.0))]
+        parts = [(len(c), c.mean().item(), c.var(unbiased=False).item()) for c in chunks]
+        whole = torch.cat(chunks)             # the concatenated batch
+        mean, var = fn(parts)
+        want_mean, want_var = whole.mean().item(), whole.var(unbiased=False).item()
+        assert abs(mean - want_mean) <= 1e-9 * max(1.0, abs(want_mean)), \
+            f"data around {offset:g}: the mean is off by {mean - want_mean:.3g}"
+        assert abs(var - want_var) < 1e-6 * want_var, \
+            f"data around {offset:g}: the variance is off by {var - want_var:.3g} (of {want_var:.3g})"
+    return True
+
+
+def check_predict(fn):
+    """06: fn(n, compute_s, grad_bytes, alpha, beta) is the alpha-beta model's speed-up of n
+    ranks (a ring all-reduce of the gradients after the compute), within 1e-6."""
+    cases = [  # (n, compute_s, grad_bytes, alpha, beta) -> expected
+        ((1, 0.1, 100e6, 1e-5, 10e9), 1.0),
+        ((2, 0.1, 100e6, 1e-5, 10e9), 2 * 0.1 / (0.1 + 2 * 1e-5 + 1.0 * 100e6 / 10e9)),
+        ((8, 0.1, 100e6, 1e-5, 10e9), 8 * 0.1 / (0.1 + 14 * 1e-5 + 1.75 * 100e6 / 10e9)),
+        ((8, 0.002, 1e6, 5e-4, 0.5e9), 8 * 0.002 / (0.002 + 14 * 5e-4 + 1.75 * 1e6 / 0.5e9)),
+    ]
+    for args, want in cases:
+        got = fn(*args)
+        assert abs(got - want) <= 1e-6 * want, f"predict{args}: the model gives {want:.4g}, you said {got}"
+    return True
+
+
+def check_first_failure(fn, crashed, hung):
+    """07: fn(result) is (rank, first line of its message) of a failed run's root cause, from
+    its result.json (`crashed`), and None for a run that did not fail with one (`hung`)."""
+    got = fn(crashed)
+    assert got is not None and got[0] == crashed["failure"]["rank"], \
+        f"got {got!r}: the root cause is rank {crashed['failure']['rank']}'s failure"
+    assert crashed["failure"]["message"].splitlines()[0] in got[1] and "\n" not in got[1], \
+        f"got {got!r}: the message's first line, one line"
+    assert fn(hung) is None, f"for a run that ended {hung.get('status')} it said {fn(hung)!r}, not None"
+    return True
+
+
+def check_parser(make):
+    """07: make() is an ArgumentParser whose --sync-bn is off by default, on with --sync-bn and
+    off with --no-sync-bn (not type=bool: bool("False") is True)."""
+    p = make()
+    assert p is not None, "make_parser() returned None: return the ArgumentParser"
+    for argv, want in (([], False), (["--sync-bn"], True), (["--no-sync-bn"], False)):
+        try:
+            got = p.parse_args(argv).sync_bn
+        except SystemExit:
+            raise AssertionError(f"the parser refuses {argv}") from None
+        assert got is want, f"{argv}: sync_bn is {got!r}, not {want}"
+    return True
+
+
+def check_ranks(global_rank, device_for):
+    """08: global_rank(node_rank, local_rank, procs_per_node) and device_for(env) on every rank
+    of 3 nodes x 4 processes, against multinode.expected_table."""
+    from ..kernel import multinode
+    for r in multinode.expected_table(nodes=3, procs_per_node=4):
+        got = global_rank(r["NODE_RANK"], r["LOCAL_RANK"], 4)
+        assert got == r["RANK"], f"node {r['NODE_RANK']}, local rank {r['LOCAL_RANK']}: rank {r['RANK']}, you said {got}"
+        env = {"RANK": str(r["RANK"]), "LOCAL_RANK": str(r["LOCAL_RANK"]), "WORLD_SIZE": "12"}
+        got = device_for(env)
+        assert got == f"cuda:{r['LOCAL_RANK']}", f"{env}: cuda:{r['LOCAL_RANK']}, you said {got!r}"
+    return True
+
+
+def check_job(text):
+    """08: the sbatch script `text` asks for 4 nodes of 8 GPUs on partition gpu, InfiniBand
+    (ib0), the rendezvous on port 29400, for train_ddp.py --epochs 10."""
+    want = ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+            "export NCCL_SOCKET_IFNAME=ib0", "head_port=29400", "--nproc-per-node 8", "train_ddp.py --epochs 10"]
+    missing = [w for w in want if w not in text]
+    assert not missing, f"missing: {missing}"
+    return True
+
+
+# -- lesson 09: the bucketed hook ---------------------------------------------------------
+_BUCKETED_HOOK = '''    def hook(self, p):
+        i, offset = self.where[p]
+        self.flat[i][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        self.ready[i] += 1
+%s
+
+    def finish(self):
+        for i, bucket in enumerate(self.buckets):
+            %s
+            self.flat[i] /= dist.get_world_size()
+            for p in bucket:
+                offset = self.where[p][1]
+                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p))
+        self.ready = [0] * len(self.buckets)
+        self.works = [None] * len(self.buckets)
+'''
+
+
+_WHEN_FULL = ("        if self.ready[i] == len(self.buckets[i]):    # the bucket's last gradient arrived\n"
+              "            %s")
+_WHEN_ALL = ("        if sum(self.ready) == len(self.where):    # held back: the model's last gradient\n"
+             "            for i in range(len(self.buckets)):\n"
+             "                %s")
+
+
+def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=False):
+    """09: write a solution of the bucketed-hook exercise to `path`: the starter file with
+    `hook` and `finish` written. Wrong ones, which check_bucketed must reject: blocking=True
+    (the hook's all-reduce is async_op=False), waiting=True (async_op=True, then .wait() in
+    the hook): either way backward stalls on the network; late=True (async, but every
+    bucket held back until the whole model's last gradient: stage (b)'s timing, no overlap)."""
+    text = Path(starter or script("bucketed_exercise.py")).read_text()
+    head = text[:text.index("    def hook(self, p):")]
+    launch, wait = "self.works[i] = dist.all_reduce(self.flat[i], async_op=True)", "self.works[i].wait()"
+    if blocking:
+        launch, wait = "dist.all_reduce(self.flat[i])", "pass"
+    if waiting:
+        launch, wait = "dist.all_reduce(self.flat[i], async_op=True).wait()", "pass"
+    body = _BUCKETED_HOOK % ((_WHEN_ALL if late else _WHEN_FULL) % launch, wait)
+    Path(path).write_text(head + body)
+    return path
+
+
+def bucket_layout(param_bytes, cap):
+    """09: the exercise's buckets, as parameter indices: reverse registration order, a bucket
+    closed once it holds >= cap bytes (the rule DDP applies to the order it measured)."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(param_bytes))):
+        current.append(i)
+        size += param_bytes[i]
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def check_bucketed(stage):
+    """09: a stage (d) result of ddp_scratch.check_stage (the learner's Bucketed beside torch
+    DDP). Returns (ok, why): the weights equal DDP's after every step; one all-reduce per
+    bucket per step, of exactly the bucket's elements (the layout is computed here from the
+    parameters' sizes and the cap, not read from the learner's object); each started during
+    backward, in the hook of its bucket's last gradient (the harness counts the gradients
+    finished at every call; its hook runs after the learner's, so a bucket whose last
+    gradient is the k-th to finish is due when k - 1 are counted); and backward never waited
+    for one (neither async_op=False nor a wait() in the hook)."""
+    layout = bucket_layout(stage["param_bytes"], stage["bucket_bytes"])
+    elements = [sum(stage["param_bytes"][i] for i in b) // 4 for b in layout]   # fp32 per bucket
+    expected = sorted(elements)
+    n = len(expected)
+    for i, st in enumerate(stage["steps"], 1):
+        if not st["allclose"]:
+            return False, f"step {i}: weights differ from torch DDP by {st['max_abs_diff']:.2e}"
+        if st["calls"] != n:
+            return False, f"step {i}: {st['calls']} all_reduce calls, expected one per bucket ({n})"
+        if st["numels"] != expected:
+            return False, (f"step {i}: all-reduced tensors of {st['numels']} elements, expected the "
+                           f"buckets' {expected}: one flat tensor per bucket, as laid out")
+        if st["calls_in_backward"] != n:
+            return False, f"step {i}: only {st['calls_in_backward']} of {n} all-reduces started during backward"
+        finished = {p: k for k, p in enumerate(st["ready_order"])}   # parameter -> its place in backward
+        due = sorted((max(finished.get(p, len(finished)) for p in b), e) for b, e in zip(layout, elements))
+        launched = sorted(tuple(x) for x in st["launches"])
+        if launched != due:
+            return False, (f"step {i}: the all-reduces started when {[k + 1 for k, _ in launched]} gradients "
+                           f"were ready, the buckets were complete at {[k + 1 for k, _ in due]}: start each "
+                           f"bucket's all-reduce in the hook of its own last gradient, not later")
+        if st["blocking_in_backward"]:
+            return False, (f"step {i}: backward waited for {st['blocking_in_backward']} all-reduce(s) "
+                           f"(blocking: async_op=False, or wait() in the hook); use async_op=True "
+                           f"and wait in finish()")
+    return True, (f"equal to torch DDP for {len(stage['steps'])} steps, {n} buckets, every all-reduce "
+                  f"async in backward, as soon as its bucket was complete")
+
+
+GUARD_EXIT = "the script exited with status "   # how the rank's guard records a SystemExit
+
+
+def _refusal(failure, script):
+    """None if a failed run's first failure is a refusal that says why, else what it is.
+    A refusal: a SystemExit that carries a message (sys.exit(text), raise SystemExit(text)),
+    or an exception with a message raised by a `raise` or `assert` line of the script itself.
+    A NameError on an edited line, a failed import, an error inside torch, a bare
+    sys.exit(1) or an assert without a message are not."""
+    message = (failure or {}).get("message") or "no error was recorded"
+    kind, colon, text = message.partition(": ")
+    if not colon:                                # a rank that died without a Python exception
+        return message
+    if kind == "SystemExit":
+        reason = text.removeprefix(GUARD_EXIT)
+        if reason.lstrip("-").isdigit():
+            return f"it exited with status {reason} and no message: say why, raise SystemExit(message)"
+        return None
+    frames = re.findall(r'^  File "(.*)", line \d+, in .*\n    (.*)$', failure.get("traceback", ""), re.M)
+    if not text.strip():
+        return f"{kind} without a message: say why in it (assert ..., message)"
+    if not frames or Path(frames[-1][0]).name != Path(script).name or \
+            not re.match(r"(raise|assert)\b", frames[-1][1]):
+        return f"it crashed with {kind}: {text}"
+    return None
+
+
+def check_global_batch(run_dir):
+    """11: every optimizer step saw the global batch the script asked for (summed over
+    ranks), at the run's world size. Reads `global_batch_asked` and `micro_batch` (logged
+    once, before training) and each rank's per-step count (`samples`, or `windows` in
+    gpt_ddp.py). Where no whole number of micro-batches per rank gives the global batch
+    (48 samples in micro-batches of 4 on 5 ranks), the right answer is to refuse: a run
+    that logged those two numbers and then ended before its first optimizer step with a
+    refusal that says why (see _refusal) is accepted then; any other failure is not."""
+    rec = runs.load(run_dir)
+    world = rec.config["world_size"]
+    message = (rec.result or {}).get("message")
+    head = next((row for row in rec.rows if "global_batch_asked" in row), None)
+    assert head or rec.status == "ok", (
+        f"the run ended {rec.status} before it logged the global batch it asked for (the metrics.log(0, "
+        f"global_batch_asked=..., micro_batch=...) line), so the checker cannot tell whether {world} "
+        f"rank(s) can give it; refuse after that line, at # EXERCISE: {message}")
+    assert head, "the run did not log the global batch it asked for (global_batch_asked)"
+    asked, micro = head["global_batch_asked"], head.get("micro_batch")
+    per_step = defaultdict(dict)                 # step -> {rank: samples this rank used}
+    for row in rec.rows:
+        n = row.get("samples", row.get("windows"))
+        if n is not None:
+            per_step[row["step"]][row["rank"]] = n
+    if rec.status != "ok":
+        assert micro and asked % (micro * world), (f"the run ended {rec.status}, but {asked} samples split into "
+                                                   f"micro-batches of {micro} on {world} rank(s): {message}")
+        assert not per_step, f"the run ended {rec.status} after {len(per_step)} step(s), not before training: {message}"
+        why_not = _refusal((rec.result or {}).get("failure"), rec.config.get("script", ""))
+        assert why_not is None, (f"the run failed, but not with a refusal that says why ({why_not}); refuse with "
+                                 f"raise SystemExit(message) or raise ValueError(message): {message}")
+        return (f"refused before training, as it should: {asked} samples do not split into "
+                f"micro-batches of {micro} on {world} ranks")
+    assert per_step, "the run logged no training steps"
+    for step, by_rank in sorted(per_step.items()):
+        assert sorted(by_rank) == list(range(world)), f"step {step}: not every rank logged it"
+        total = sum(by_rank.values())
+        assert total == asked, (f"step {step}: {total} samples over {world} rank(s), not the "
+                                f"{asked} asked for (ranks x micro-batch x accumulation steps)")
+    return f"{len(per_step)} steps of {asked} samples each on {world} rank(s)"
+
+
+# -- lesson 10: the fp16 step that trains too slowly ---------------------------------------
+def _recording_scaler(init_scale=2.0 ** 16):
+    """A GradScaler("cpu") that notes which of its four calls were made, in order."""
+    import torch
+
+    class Recording(torch.amp.GradScaler):
+        def __init__(self):
+            super().__init__("cpu", init_scale=init_scale)
+            self.calls = []
+
+        def scale(self, outputs):
+            self.calls.append("scale")
+            return super().scale(outputs)
+
+        def unscale_(self, optimizer):
+            self.calls.append("unscale_")
+            return super().unscale_(optimizer)
+
+        def step(self, optimizer, *args, **kwargs):
+            self.calls.append("step")
+            return super().step(optimizer, *args, **kwargs)
+
+        def update(self, new_scale=None):
+            self.calls.append("update")
+            return super().update(new_scale)
+    return Recording()
+
+
+def _start():
+    """The exercise's model (seed 0) and batch (8 samples, seed 23: enough for a gradient
+    whose norm clipping changes; fp16 convolutions are slow on CPU)."""
+    import torch
+
+    from ..rank import data, models
+    x, y = data.shapes(8, seed=23).tensors
+    torch.manual_seed(0)
+    return models.SmallCNN(norm=False), x, y
+
+
+def _reference(model, x, y, max_norm):
+    """The reference step on `model`: the true gradient (fp16 autocast, no scaler), clipped to
+    max_norm, one SGD step (lr 0.1). Returns the gradient's norm before and after clipping."""
+    import torch
+    import torch.nn.functional as F
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.cross_entropy(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    clipped = sum(p.grad.norm() ** 2 for p in model.parameters()) ** .5
+    return norm.item(), clipped.item()
+
+
+def stepped_norm(fn, max_norm=0.1, init_scale=2.0 ** 16):
+    """10: the norm of the gradient the optimizer steps with, in one step of fn (the
+    checker's start and batch), with a GradScaler whose scale starts at init_scale."""
+    import torch
+    model, x, y = _start()
+    opt, seen = torch.optim.SGD(model.parameters(), lr=0.1), []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(
+        torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item()))
+    fn(model, opt, _recording_scaler(init_scale), x, y, max_norm)
+    assert seen, "the step never called the optimizer's step()"
+    return seen[0]
+
+
+def check_train_step(fn, max_norm=0.1):
+    """10: one step of fn(model, opt, scaler, x, y, max_norm) (fp16 autocast on CPU, a
+    GradScaler, clipping) against the reference step: the true gradient, clipped to
+    max_norm, one SGD step. The step must use the scaler it is given (scale, unscale_,
+    step, update, once each, in that order): without it fp16 gradients can underflow, even
+    where this batch's do not. Raises AssertionError with one sentence saying what is wrong."""
+    import copy
+
+    import torch
+    model, x, y = _start()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _recording_scaler()
+    fn(model, opt, scaler, x, y, max_norm)
+    wanted = ["scale", "unscale_", "step", "update"]
+    assert scaler.calls == wanted, (
+        f"the step made the GradScaler calls {scaler.calls}, not {wanted}: fp16 needs the scaler "
+        "(scale the loss before backward, unscale_ before clipping, scaler.step, scaler.update)")
+    norm, clipped = _reference(reference, x, y, max_norm)
+    assert norm > max_norm, "the test needs a gradient that clipping changes"
+    moved = sum((p - q).norm() ** 2 for p, q in zip(model.parameters(), reference.parameters())) ** .5
+    step = 0.1 * clipped
+    assert moved < 1e-2 * step, f"the step differs from the reference by {moved / step:.0%} of its size"
+    return True
+
+
+def check_too_small_by(too_small_by, slow_step, max_norm=0.1, scales=(2.0 ** 16, 2.0 ** 10)):
+    """10: too_small_by(S) says how many times smaller than the reference step's gradient the
+    gradient slow_step steps with is, when the GradScaler's scale is S. Compared, within 1%,
+    with the ratio measured at each scale in `scales` (two, so a number read off one run
+    does not pass). Raises AssertionError with one sentence saying what is wrong."""
+    model, x, y = _start()
+    _, clipped = _reference(model, x, y, max_norm)
+    for S in scales:
+        measured = clipped / stepped_norm(slow_step, max_norm, init_scale=S)
+        said = too_small_by(S)
+        assert said is not None and abs(said - measured) <= 0.01 * measured, (
+            f"with the scale S = {S:,.0f} the step was {measured:,.1f}x too small; too_small_by({S:,.0f}) "
+            f"returns {said}")
+    return True

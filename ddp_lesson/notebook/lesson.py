@@ -1,0 +1,98 @@
+"""Small helpers the notebooks share, so no notebook pastes its own copy.
+
+    from ddp_lesson.lesson import script, check, verdict, show_diff, show, work_dir
+
+    work_dir()                                  # ./work: where the scripts you edit live
+    run = check("ddp_equivalence")              # a check script on CPU ranks, returns at once
+    result = verdict(run, "equivalence.json")   # waits, then reads the JSON it wrote
+    amp = written(run, "amp.json")              # reads it as soon as it is written (a --then chain)
+    show_diff("ddp_basic.py", "work/ddp_syncbn.py")
+    show(fig)                                   # display a figure once and close it
+    ring = load_script("work/ring_allreduce.py")  # a module you edit, loaded afresh
+"""
+import difflib
+import json
+import sys
+from pathlib import Path
+
+from ..rank import chain
+from ..kernel import launch
+from ..rank.bundled import load as load_script, script  # noqa: F401 (the notebooks import them from here)
+
+
+
+def work_dir(path="work"):
+    """The folder the notebooks' %%writefile cells write into; created if missing."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check(name, *args, nproc=None, timeout=600):
+    """Start the check script checks/<name>.py on CPU ranks (gloo); returns the launch.Run
+    at once. nproc=None: the default CPU rank count (DDP_LESSON_NPROC, else 2; 1 when only one
+    core is usable)."""
+    return launch.start(script(f"{name}.py"), nproc=nproc, cpu=True, args=args, timeout=timeout)
+
+
+def verdict(run, filename):
+    """Wait for a check run and return the JSON it wrote into its run directory. A run that
+    did not end ok raises AssertionError with the run's own message."""
+    result = run.wait()
+    if result["status"] != "ok":
+        raise AssertionError(f"{run.config['label']} ended {result['status']}: {result.get('message')}")
+    return json.loads((Path(run.run_dir) / filename).read_text())
+
+
+def written(run, filename, poll=0.2):
+    """Wait until the run has written the JSON file `filename` into its run directory and
+    return it, without waiting for the run to end: in a launch that chains several scripts
+    (--then), one script's result is there while later ones still run, whatever becomes of
+    them. A run that ends without writing it raises AssertionError naming the script it failed
+    in and the run's own message. An interrupt stops the run, as in run.wait()."""
+    path = Path(run.run_dir) / filename
+    try:
+        while True:
+            ended = run.done()               # before looking: a file written just before the end counts
+            if path.is_file():
+                try:
+                    return json.loads(path.read_text())
+                except ValueError:           # rank 0 is still writing it
+                    if ended:
+                        raise
+            elif ended:
+                break
+            run.wait_done(poll)
+    except KeyboardInterrupt:
+        run.stop()
+        raise
+    result = run.result
+    scripts = chain.names(run.config)
+    where = chain.failed_in(run.config, result.get("failure"))
+    launch_name = " --then ".join(scripts)
+    raise AssertionError(f"{filename} was not written: the run ({launch_name}) ended {result['status']}"
+                         + (f" in {where}" if where else "") + f": {result.get('message')}")
+
+
+def script_diff(old, new, context=1):
+    """Unified diff lines from the reference script `old` (a shipped script's name, bundled.script) to the file `new`."""
+    a = script(old).read_text().splitlines()
+    b = Path(new).read_text().splitlines()
+    return list(difflib.unified_diff(a, b, old, str(new), lineterm="", n=context))
+
+
+def show_diff(old, new, context=1):
+    """The lesson is the diff: print what changed from the previous lesson's script."""
+    print("\n".join(script_diff(old, new, context)))
+
+
+def show(fig):
+    """Display a figure as a PNG once and close it (pyplot or not), so nothing is shown twice."""
+    from IPython.display import Image, display
+
+    from . import plots
+
+    display(Image(data=plots.to_png(fig)))
+    pyplot = sys.modules.get("matplotlib.pyplot")   # a figure from pyplot is also in its list
+    if pyplot is not None:
+        pyplot.close(fig)

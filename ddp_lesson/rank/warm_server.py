@@ -1,0 +1,221 @@
+"""The warm process of a warm launch: `python -m ddp_lesson.rank.warm_server --parent PID SOCKET`.
+
+It imports torch and what `DDP(...)` imports once, says hello on stdout and waits on a Unix
+socket. For each launch it forks a child that becomes the run's torchrun agent: the module
+`torch.distributed.run` that a CLI torchrun runs, under the same guard, given torchrun's own
+`--run-path --start-method fork` so that the agent forks its ranks too. It answers with the
+agent's PID and, once it has reaped it, its exit status.
+
+It holds one thread whenever it forks (it checks), never initializes CUDA, imports of this
+package only the guard (nothing a learner edits), and dies with the process that started it.
+Standard library and torch only, like the ranks it starts.
+"""
+import gc
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from . import guard
+
+# what a rank of a DDP script imports anyway: torch, and torch._dynamo, which DDP(...) and
+# the optimizers import on first use (about half of a rank's start-up on a CPU)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.nn.parallel",
+           "torch._dynamo", "torch.optim", "torch.utils.data")
+PAD_ENV = "DDP_LESSON_WARM_PAD"   # room in the warm process's environment for each run's (see guard.publish_environ)
+PAD_BYTES = 48 * 1024
+RANK_ENV_ROOM = 4096              # what torch's agent adds for each rank (RANK, MASTER_ADDR, ...)
+# what it holds of this package, from the package's folder
+OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py", "rank/warm_server.py")
+
+
+def fingerprint(here=None):
+    """What the warm process was built from: this interpreter, torch's installed files and
+    this package's modules it holds (in `here`, this package's folder by default). A launcher
+    compares it with the running process's before every launch, so an upgrade or an edit is
+    never served by a stale one."""
+    here = Path(here or Path(__file__).resolve().parents[1])
+    torch_spec = importlib.util.find_spec("torch")   # finds, does not import
+    files = [here / name for name in OWN_FILES]
+    if torch_spec and torch_spec.origin:
+        files.append(Path(torch_spec.origin).parent / "version.py")
+    h = hashlib.sha256(sys.executable.encode())
+    for f in files:
+        try:
+            st = f.stat()
+            h.update(f"{f}:{st.st_mtime_ns}:{st.st_size}".encode())
+        except OSError:
+            h.update(f"{f}:missing".encode())
+    return h.hexdigest()[:16]
+
+
+def threads():
+    """Threads of this process, as the kernel counts them (native ones included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _reply(conn, data):
+    try:
+        conn.sendall((json.dumps(data) + "\n").encode())
+    except OSError:
+        pass  # the launcher went away: its agent still gets reaped
+
+
+def _read_request(conn):
+    conn.settimeout(10)
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("the launcher closed the connection")
+        buf += chunk
+    return json.loads(buf)
+
+
+def _become_agent(req, warm_pid, inherited, fds):
+    """In the forked child: drop the warm process's sockets and signal set-up, take the
+    launch's session, files, directory and environment, and run the guarded torchrun."""
+    code = 1
+    try:
+        for f in inherited:
+            f.close()
+        for fd in fds:
+            os.close(fd)
+        signal.set_wakeup_fd(-1)
+        guard.restore_signals()   # SIGCHLD's and any other handler of the warm process
+        os.setsid()   # as start_new_session=True: a terminal's Ctrl-C is not the run's
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(null)
+        os.close(log)
+        guard.fresh_stdio()
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        guard.publish_environ()   # the run's identity, where procs and cleanup look for it
+        # `python -m torch.distributed.run` runs that module once, as __main__: so does this
+        sys.modules.pop("torch.distributed.run", None)
+        guard.main(["--agent", "--parent", str(warm_pid), *req["args"]])
+        code = 0
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT   # what a shell reports for an interpreter killed by Ctrl-C
+    except BaseException:
+        traceback.print_exc()        # as the interpreter prints an uncaught exception
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def serve(listener):
+    """Fork an agent per request; report each agent's PID, then its exit status."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)   # wakes the selector through the pipe
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(wake_r, selectors.EVENT_READ, "child")
+    agents = {}   # pid -> the launcher's connection
+    while True:
+        for key, _ in sel.select():
+            if key.data == "child":
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+                _reap(agents)
+                continue
+            conn, _ = listener.accept()
+            try:
+                req = _read_request(conn)
+            except (OSError, ValueError) as e:
+                _reply(conn, {"error": f"bad request: {e}"})
+                conn.close()
+                continue
+            need = len(guard.environ_text(req.get("env", {}))) + RANK_ENV_ROOM
+            if need > guard.environ_space()[1]:
+                _reply(conn, {"error": f"the launch's environment ({need} bytes) does not fit "
+                                       f"the warm process's ({guard.environ_space()[1]})"})
+                conn.close()
+                continue
+            if threads() != 1 or threading.active_count() != 1:
+                _reply(conn, {"error": f"the warm process holds {threads()} threads; it forks only with one"})
+                conn.close()
+                continue
+            warm_pid = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                _become_agent(req, warm_pid, [sel, listener, conn, *agents.values()], (wake_r, wake_w))
+            agents[pid] = conn
+            _reply(conn, {"pid": pid})
+        _reap(agents)
+
+
+def _reap(agents):
+    for pid, code in guard.reaped():
+        conn = agents.pop(pid, None)
+        if conn is not None:
+            _reply(conn, {"exit": code})
+            conn.close()
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 3 or argv[0] != "--parent":
+        sys.exit("usage: python -m ddp_lesson.rank.warm_server --parent PID SOCKET")
+    parent, path = int(argv[1]), argv[2]
+    guard.remember_signals()
+    guard.watch_parent(signal.SIGKILL, parent)   # the launcher gone: so is this
+    hello = os.fdopen(os.dup(1), "w")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)   # nothing else of ours goes to the launcher's pipe
+    os.close(devnull)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # what is here now is shared by every fork: the collector leaves it alone (no copy-on-write
+    # of its pages) and gc.get_objects() in a fork lists only what came after (guard's scans)
+    gc.freeze()
+    torch = sys.modules["torch"]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    hello.write(json.dumps({
+        "pid": os.getpid(), "fingerprint": fingerprint(), "torch": torch.__version__,
+        "cuda_initialized": bool(torch.cuda.is_initialized()), "threads": threads(),
+        "modules": sorted(m for m in sys.modules if m == "ddp_lesson" or m.startswith("ddp_lesson.")),
+    }) + "\n")
+    hello.close()
+    serve(listener)
+
+
+if __name__ == "__main__":
+    main()
