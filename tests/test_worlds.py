@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ddp_lesson"
 RANK = {"bundled", "chain", "costmodel", "data", "dist", "forked_rank", "guard", "knobs", "metrics",
         "models", "procs", "rundir", "syncbn", "warm_server", "world_messages", "world_rank"}
 KERNEL = {"__main__", "checks", "devices", "doctor", "failures", "interrupts", "launch",
-          "monitor", "multinode", "runs", "scaling", "slurm", "stacks", "warm", "world"}
+          "monitor", "multinode", "runs", "scaling", "slurm", "spec", "stacks", "warm", "world"}
 NOTEBOOK = {"__init__", "capstone", "diagrams", "exercises", "lesson", "magics", "plots", "simulate", "widgets"}
 RANK_THIRD_PARTY = {"torch", "torchvision"}
 PROCESS_WRAPPER = {"guard": {"psutil"}, "procs": {"psutil"}}
