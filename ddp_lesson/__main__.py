@@ -10,6 +10,7 @@ import sys
 from . import BadInput
 from .kernel import checks, devices, failures, launch, monitor
 from .rank.bundled import script
+from .kernel.spec import Nodes, Spec
 
 EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
 
@@ -107,21 +108,19 @@ def supervise(run, quiet=False):
 
 
 def cmd_run(a, script_args):
-    run = launch.start(a.script, nproc=a.nproc, gpus=a.gpus, cpu=a.cpu, args=script_args,
-                       run_dir=a.run_dir, max_restarts=a.max_restarts, timeout=a.timeout,
-                       nnodes=a.nnodes, node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint,
-                       cold=a.cold)
-    return supervise(run, a.quiet)
+    spec = Spec(a.script, devices.Request(a.nproc, a.gpus, a.cpu), args=script_args,
+                max_restarts=a.max_restarts, timeout=a.timeout,
+                nodes=Nodes(a.nnodes, a.node_rank, a.rdzv_endpoint), cold=a.cold)
+    return supervise(launch.run(spec, a.run_dir), a.quiet)
 
 
 def cmd_demo(a):
     epochs = checks.number("--epochs", a.epochs, 1)
     # notebook 03's script, the course's one reference loop; batch 64: half the steps of its default
-    run = launch.start(script("ddp_basic.py"), nproc=a.nproc, gpus=a.gpus, cpu=a.cpu,
-                       args=["--epochs", str(epochs), "--batch-size", "64"], run_dir=a.run_dir, label="demo",
-                       cold=a.cold)
-    what = devices.describe(run.config["nproc"], run.config["devices"], run.config["backend"])
-    print(f"demo: {what}, {epochs} epoch(s); "
+    spec = Spec(script("ddp_basic.py"), devices.Request(a.nproc, a.gpus, a.cpu),
+                args=["--epochs", str(epochs), "--batch-size", "64"], label="demo", cold=a.cold)
+    run = launch.run(spec, a.run_dir)
+    print(f"demo: {monitor.where(run.config)}, {epochs} epoch(s); "
           f"run directory {run.run_dir}", flush=True)
     code = supervise(run)
     if code == 0:

@@ -6,7 +6,10 @@
 - with no GPU: gloo, 2 CPU processes by default, CUDA hidden, OMP threads shared out;
 - bad requests raise BadInput with one sentence (ends with '.', no newline), before
   anything starts;
-- `list_gpus()` parses nvidia-smi's CSV output (a fake nvidia-smi on PATH).
+- `list_gpus()` parses nvidia-smi's CSV output (a fake nvidia-smi on PATH);
+- a devices.Request holds one shape whatever the caller passed (a list or "0,1"; nproc the
+  GPU count); a Plan gives back the Request that pins it; config.json's devices is always a
+  list, [] for CPU ranks, and spec.gpus() reads it (and the "cpu" of older run directories).
 """
 import os
 import stat
@@ -169,4 +172,41 @@ def test_cpu_ranks_far_beyond_the_machine_are_refused_unless_asked_on_purpose(mo
 
 
 def test_one_description_of_a_plan():
-    assert devices.describe(2, "cpu", "gloo") == plan(nproc=2, available=[]).describe()
+    assert devices.describe(2, [], "gloo") == plan(nproc=2, available=[]).describe()
+
+
+# -- one shape for the devices asked and the devices a run had (issue 33) ---------------------
+
+def test_a_request_holds_one_shape_whatever_was_passed():
+    from ddp_lesson.devices import Request
+    assert Request(gpus="0, 2") == Request(gpus=[0, 2]) == Request(nproc="2", gpus=("0", 2))
+    assert Request(gpus="0,2").gpus == (0, 2) and Request(gpus="0,2").nproc == 2
+    assert Request(nproc=3, gpus=[0, 1], cpu=True) == Request(nproc=3, cpu=True)   # cpu: gpus unused
+    assert Request() == Request(None, None, False) and Request().nproc is None
+    with pytest.raises(BadInput) as err:
+        Request(gpus=[0, "x"])
+    assert one_sentence(err) == "--gpus must be a whole number, got 'x'."
+    with pytest.raises(BadInput) as err:
+        Request(gpus=3)
+    assert "like [0, 1]" in one_sentence(err)
+
+
+@pytest.mark.parametrize("asked", [{"gpus": "2,0"}, {"nproc": 2}, {"cpu": True, "nproc": 3}, {}])
+def test_a_plan_gives_back_the_request_that_pins_it(asked):
+    first = plan(available=GPUS, **asked)
+    again = first.request().plan(available=GPUS)
+    assert (again.nproc, again.gpus, again.backend, again.env) == (first.nproc, first.gpus, first.backend, first.env)
+    assert first.request().cpu == (not first.gpus)
+
+
+def test_config_devices_is_always_a_list(tmp_path):
+    from ddp_lesson import spec
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    cpu = spec.fields(spec.Spec(script), plan(nproc=2, cpu=True, available=GPUS))
+    gpu = spec.fields(spec.Spec(script), plan(gpus="2,0", available=GPUS))
+    assert (cpu["devices"], cpu["backend"], cpu["nproc"]) == ([], "gloo", 2)
+    assert (gpu["devices"], gpu["backend"], gpu["nproc"]) == ([2, 0], "nccl", 2)
+    assert spec.gpus(cpu) == [] and spec.gpus(gpu) == [2, 0]
+    assert spec.gpus({"devices": "cpu"}) == [] and spec.gpus({}) == [] and spec.gpus(None) == []  # older runs
+    assert devices.describe(2, spec.gpus(gpu), "nccl") == "2 rank(s) on GPU(s) 2,0 with nccl"

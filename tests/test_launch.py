@@ -15,7 +15,10 @@ relies on:
   rank end by themselves within 10 s;
 - a rank killed by SIGKILL is reported as such, with the likely cause (memory);
 - with `max_restarts=1` a run whose rank dies once resumes from its checkpoint and
-  completes.
+  completes;
+- a launch is a spec.Spec: bad input in any of its fields is one sentence before anything
+  starts, whether start()'s keywords or a Spec carry it; config.json records a Spec whole
+  (Spec.from_config gives it back, pinned to the devices the run had).
 
 Every test runs twice: warm (the default: agent and ranks forked from a warm process) and
 cold (DDP_LESSON_COLD=1: new interpreters, as a CLI torchrun), and checks that its launches
@@ -24,6 +27,7 @@ of its runs behind. Failures printed by the command line (`run` exit codes) are 
 """
 import json
 import os
+from dataclasses import replace
 import signal
 import socket
 import subprocess
@@ -35,7 +39,7 @@ import psutil
 import pytest
 
 from conftest import REPO, SCRIPTS, child_env, processes_under, wait_until
-from ddp_lesson import launch, procs, runs
+from ddp_lesson import devices, launch, procs, runs, spec
 
 pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")
 from ddp_lesson.bundled import script
@@ -150,7 +154,7 @@ def test_run_directory_contract(contract_run, launch_mode):
     for key in ("script", "nproc", "devices", "backend", "args", "versions", "start_time"):
         assert key in config, key
     assert config["script"] == str(SCRIPTS / "contract.py")
-    assert config["nproc"] == 2 and config["backend"] == "gloo" and config["devices"] == "cpu"
+    assert config["nproc"] == 2 and config["backend"] == "gloo" and config["devices"] == []
     assert config["launch"]["mode"] == launch_mode
     assert config["args"][0] == "--gate" and config["args"][2:] == ["--steps", "3"]
     assert config["versions"]["torch"] and config["versions"]["python"]
@@ -180,6 +184,78 @@ def test_run_directory_contract(contract_run, launch_mode):
     record = runs.load(d)
     assert record.status == "ok" and record.ranks() == [0, 1]
     assert record.series("test_accuracy", rank=1)[-1] == (3, 1.0)
+
+
+# -- the spec: what a launch is (issue 33) ----------------------------------------------------
+
+def test_config_json_gives_the_spec_back(contract_run):
+    """The run was launch.start(contract.py, nproc=2, args=[...]): its config.json holds that
+    launch whole, pinned to the devices it got."""
+    run = contract_run["run"]
+    config = json.loads((run.run_dir / "config.json").read_text())
+    asked = launch.Spec(SCRIPTS / "contract.py", devices.plan(nproc=2).request(), args=run.config["args"])
+    assert launch.Spec.from_config(config) == asked
+    assert spec.gpus(config) == [] and config["device_env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_every_field_of_a_spec_round_trips_through_config_json(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    full = launch.Spec(script, devices.Request(nproc=3, cpu=True), args=["--epochs", 2], max_restarts=1,
+                       timeout=30, env={"A": 1, "B": "x"}, label="full",
+                       nodes=spec.Nodes(2, 1, "10.0.0.1:29400", "job7"), private_files={"key": b"k"}, cold=True)
+    assert full.args == ("--epochs", "2") and full.env == (("A", "1"), ("B", "x")) and full.timeout == 30.0
+    config = json.loads(json.dumps(spec.fields(full, full.devices.plan())))
+    back = launch.Spec.from_config(config)
+    assert back == replace(full, private_files={})   # secrets never go into config.json
+    assert "key" not in json.dumps(config) and "b'k'" not in repr(full)
+    assert config["devices"] == [] and config["world_size"] == 6 and config["rdzv_id"] == "job7"
+    # an older run directory: devices "cpu", the devices' env mixed into env
+    old = {**config, "devices": "cpu", "env": {**config["env"], "CUDA_VISIBLE_DEVICES": ""}}
+    del old["device_env"]
+    assert launch.Spec.from_config(old) == back
+
+
+BAD_SPECS = {
+    "missing script": ({"script": "no_such.py"}, "The script no_such.py does not exist."),
+    "script is a folder": ({"script": "."}, "The script . is not a file."),
+    "nproc 0": ({"nproc": 0}, "--nproc must be at least 1, got 0."),
+    "gpus not numbers": ({"gpus": "a,b"}, "--gpus takes GPU numbers separated by commas, like 0,1; got 'a,b'."),
+    "no gpu ticked": ({"gpus": []}, "No GPU was selected; pick at least one, or use CPU processes."),
+    "args one string": ({"args": "--epochs 1"}, "The script's args must be a list of words, "
+                                                 "like [\"--epochs\", \"1\"]; got '--epochs 1'."),
+    "max_restarts -1": ({"max_restarts": -1}, "--max-restarts must be at least 0, got -1."),
+    "timeout 0": ({"timeout": 0}, "--timeout must be at least 0.001, got 0."),
+    "env a list": ({"env": ["A=1"]}, "The env must map names to values, like {\"OMP_NUM_THREADS\": 1}; "
+                                     "got ['A=1']."),
+    "nnodes 0": ({"nnodes": 0}, "--nnodes must be at least 1, got 0."),
+    "node_rank too big": ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"},
+                          "--node-rank must be below --nnodes (2), got 2."),
+    "nodes without endpoint": ({"nnodes": 2}, "A run over several nodes needs --rdzv-endpoint HOST:PORT "
+                                              "(node 0's address)."),
+    "private file not bytes": ({"private_files": {"key": "text"}},
+                               "The private_files must map file names to bytes; got {'key': 'text'}."),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SPECS))
+def test_bad_input_in_any_field_is_one_sentence_before_anything_starts(case, tmp_path, monkeypatch):
+    kwargs, sentence = BAD_SPECS[case]
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    kwargs = {"script": script, **kwargs}
+    # nothing may start: not the warm process, not a run directory
+    monkeypatch.setattr(launch, "_warm_server", lambda *a: pytest.fail("a launch began"))
+    with pytest.raises(launch.BadInput) as err:
+        launch.start(**kwargs, run_dir=tmp_path / "run")
+    assert str(err.value) == sentence and not (tmp_path / "run").exists()
+    # the keywords and a Spec built by hand meet the same check, in the one place
+    ask = {k: kwargs.pop(k) for k in ("nproc", "gpus", "cpu") if k in kwargs}
+    nodes = {k: kwargs.pop(k) for k in ("nnodes", "node_rank", "rdzv_endpoint") if k in kwargs}
+    with pytest.raises(launch.BadInput) as err:
+        launch.Spec(devices=devices.Request(**ask), nodes=spec.Nodes(*nodes.values()), **kwargs)
+    assert str(err.value) == sentence
 
 
 # -- stopping --------------------------------------------------------------------------------

@@ -124,10 +124,15 @@ class Plan:
     def describe(self):
         return describe(self.nproc, self.gpus, self.backend)
 
+    def request(self):
+        """The Request that gets exactly this plan again: these GPUs, or this many CPU ranks."""
+        return Request(self.nproc, tuple(self.gpus) or None, cpu=not self.gpus)
+
 
 def describe(nproc, gpus, backend):
-    """The one wording of a device plan, for a Plan, a run's config and the picker."""
-    if gpus and gpus != "cpu":
+    """The one wording of a device plan, for a Plan, a run's config and the picker.
+    gpus: physical GPU ids, empty for CPU ranks."""
+    if gpus:
         return f"{nproc} rank(s) on GPU(s) {','.join(map(str, gpus))} with {backend}"
     return f"{nproc} CPU process(es) with {backend}"
 
@@ -139,38 +144,65 @@ def _as_ids(gpus):
             return [int(p) for p in parts]
         except ValueError:
             raise BadInput(f"--gpus takes GPU numbers separated by commas, like 0,1; got {gpus!r}.") from None
-    return [int(g) for g in gpus]
+    try:
+        return [checks.number("--gpus", g, 0) for g in gpus]
+    except TypeError:
+        raise BadInput(f"--gpus takes a list of GPU numbers, like [0, 1], or \"0,1\"; got {gpus!r}.") from None
+
+
+@dataclass(frozen=True)
+class Request:
+    """The devices a launch asks for, checked for shape when built (BadInput, one sentence):
+    `nproc` ranks (None: the default), the physical GPU ids `gpus` (a list or "0,1"; None:
+    every GPU, or CPU ranks where there are none), or CPU ranks on gloo with cpu=True. Held as
+    nproc: int or None, gpus: a tuple or None (None with cpu=True), cpu: bool. plan() checks it
+    against this machine."""
+    nproc: object = None
+    gpus: object = None
+    cpu: bool = False
+
+    def __post_init__(self):
+        nproc, gpus, cpu = checks.number("--nproc", self.nproc, 1, allow_none=True), None, bool(self.cpu)
+        if self.gpus is not None and not cpu:
+            gpus = tuple(_as_ids(self.gpus))
+            if not gpus:
+                raise BadInput("No GPU was selected; pick at least one, or use CPU processes.")
+            if len(set(gpus)) != len(gpus):
+                raise BadInput(f"GPU ids must not repeat, got {list(gpus)}.")
+            if nproc is not None and nproc != len(gpus):
+                raise BadInput(f"One process per GPU: {len(gpus)} GPU(s) selected but {nproc} processes asked.")
+            nproc = len(gpus)
+        object.__setattr__(self, "nproc", nproc)
+        object.__setattr__(self, "gpus", gpus)
+        object.__setattr__(self, "cpu", cpu)
+
+    def plan(self, available=None):
+        """The Plan for this request on this machine (`available`: its GPUs, default
+        list_gpus()), or BadInput with one sentence."""
+        found = list_gpus() if available is None else available
+        if self.gpus is not None:
+            have = {g.index for g in found}
+            missing = [i for i in self.gpus if i not in have]
+            if missing:
+                what = f"GPUs {sorted(have)}" if have else "no NVIDIA GPU"
+                raise BadInput(f"GPU {','.join(map(str, missing))} does not exist: this machine has {what}.")
+            return _gpu_plan(list(self.gpus))
+        if found and not self.cpu:
+            if self.nproc is not None and self.nproc > len(found):
+                raise BadInput(f"This machine has {len(found)} GPU(s); ask for at most {len(found)} "
+                               f"processes, or use CPU processes (--cpu).")
+            return _gpu_plan([g.index for g in found][: self.nproc or len(found)])
+        n = checks.cpu_ranks(self.nproc or default_cpu_nproc(), cpu_count())
+        threads = max(1, cpu_count() // n)
+        return Plan(n, [], "gloo", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)})
 
 
 def plan(nproc=None, gpus=None, cpu=False, available=None):
-    """Turn a request into a Plan, or raise BadInput with one sentence.
+    """Turn a request into a Plan, or raise BadInput with one sentence (see Request).
 
     gpus: None (all GPUs, or CPU ranks when there are none), a list of physical ids or
     "0,1"; cpu=True forces CPU ranks on gloo even where GPUs exist."""
-    nproc = checks.number("--nproc", nproc, 1, allow_none=True)
-    found = list_gpus() if available is None else available
-    if gpus is not None and not cpu:
-        ids = _as_ids(gpus)
-        if not ids:
-            raise BadInput("No GPU was selected; pick at least one, or use CPU processes.")
-        have = {g.index for g in found}
-        missing = [i for i in ids if i not in have]
-        if missing:
-            what = f"GPUs {sorted(have)}" if have else "no NVIDIA GPU"
-            raise BadInput(f"GPU {','.join(map(str, missing))} does not exist: this machine has {what}.")
-        if len(set(ids)) != len(ids):
-            raise BadInput(f"GPU ids must not repeat, got {ids}.")
-        if nproc is not None and nproc != len(ids):
-            raise BadInput(f"One process per GPU: {len(ids)} GPU(s) selected but {nproc} processes asked.")
-        return _gpu_plan(ids)
-    if found and not cpu:
-        if nproc is not None and nproc > len(found):
-            raise BadInput(f"This machine has {len(found)} GPU(s); ask for at most {len(found)} "
-                           f"processes, or use CPU processes (--cpu).")
-        return _gpu_plan([g.index for g in found][: nproc or len(found)])
-    n = checks.cpu_ranks(nproc or default_cpu_nproc(), cpu_count())
-    threads = max(1, cpu_count() // n)
-    return Plan(n, [], "gloo", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)})
+    return Request(nproc, gpus, cpu).plan(available)
 
 
 def _gpu_plan(ids):

@@ -1,6 +1,6 @@
 """Start a real torchrun process tree without blocking, supervise it, and clean up.
 
-    run = launch.start("train.py", nproc=2, args=["--epochs", "1"])
+    run = launch.start("train.py", nproc=2, args=["--epochs", "1"])   # or launch.run(a spec.Spec)
     run.metrics()      # new metric rows since the last call
     run.wait()         # -> result dict (also written to result.json)
     run.stop()         # SIGTERM, short grace, then SIGKILL of every process of the run
@@ -35,6 +35,7 @@ from . import checks, devices, failures, interrupts, stacks, warm
 from ..rank import guard, procs, rundir
 from ..rank.rundir import write_json
 from .runs import LogTail, MetricsTail, new_run_dir, tail_text
+from .spec import Nodes, Spec, fields
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
 STOP_GRACE_S = 5.0       # our wait for torchrun itself before SIGKILL of everything
@@ -199,42 +200,35 @@ def _prepare_run_dir(run_dir, script):
 def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_restarts=0,
           timeout=None, env=None, label=None, nnodes=1, node_rank=0, rdzv_endpoint=None,
           rdzv_id=None, private_files=None, cold=False):
-    """Launch `script` under torchrun and return a Run at once. Bad input raises
-    BadInput (one sentence) before anything starts. private_files: {name: bytes} written
-    into the run directory, readable by this user only, before any process starts.
-    cold: start the agent and every rank as new interpreters, as a CLI torchrun does."""
-    script = Path(script)
-    if not script.is_file():
-        raise BadInput(f"The script {script} does not exist." if not script.exists()
-                       else f"The script {script} is not a file.")
-    max_restarts = checks.number("--max-restarts", max_restarts, 0)
-    timeout = checks.number("--timeout", timeout, 0.001, kind=float, allow_none=True)
-    nnodes = checks.number("--nnodes", nnodes, 1)
-    node_rank = checks.number("--node-rank", node_rank, 0)
-    if node_rank >= nnodes:
-        raise BadInput(f"--node-rank must be below --nnodes ({nnodes}), got {node_rank}.")
-    if nnodes > 1 and not rdzv_endpoint:
-        raise BadInput("A run over several nodes needs --rdzv-endpoint HOST:PORT (node 0's address).")
-    args = [str(a) for a in args]
-    plan = devices.plan(nproc=nproc, gpus=gpus, cpu=cpu)
-    user_env = {k: str(v) for k, v in (env or {}).items()}
-    server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, cold, nnodes)
+    """Launch `script` under torchrun and return a Run at once: run(Spec(...), run_dir) from
+    keywords (spec.Spec says what each means). Bad input raises BadInput (one sentence)
+    before anything starts."""
+    return run(Spec(script, devices.Request(nproc, gpus, cpu), args=args, max_restarts=max_restarts,
+                    timeout=timeout, env=env, label=label,
+                    nodes=Nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id),
+                    private_files=private_files, cold=cold), run_dir)
+
+
+def run(spec, run_dir=None):
+    """Launch a spec.Spec under torchrun in `run_dir` (a new, empty folder; default: a new one
+    under runs/) and return a Run at once. What only this machine can say (which GPUs exist,
+    the run directory) raises BadInput, one sentence, before anything starts."""
+    script, nodes = spec.script, spec.nodes
+    plan = spec.devices.plan()
+    user_env = dict(spec.env)
+    server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, spec.cold, nodes.count)
     path = _prepare_run_dir(run_dir, script)
     shutil.copyfile(script, rundir.script(path))
-    for name, data in (private_files or {}).items():
+    for name, data in spec.private_files:
         rundir.write_bytes(path / name, data, private=True)
 
-    if nnodes == 1:
-        rdzv = ["--standalone"]
-    else:
-        rdzv = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", str(rdzv_id or "ddp-lesson")]
+    rdzv = nodes.torchrun_args()
     token = secrets.token_hex(8)
     torchrun = ["-m", "torch.distributed.run", *rdzv,
-                "--nproc-per-node", str(plan.nproc), "--max-restarts", str(max_restarts),
+                "--nproc-per-node", str(plan.nproc), "--max-restarts", str(spec.max_restarts),
                 "--log-dir", str(rundir.torchrun_logs(path)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                 "--monitor-interval", "0.1"]
-    rank = ["--rank", str(rundir.script(path)), *args]
+    rank = ["--rank", str(rundir.script(path)), *spec.args]
     cmd = [sys.executable, "-m", "ddp_lesson.rank.guard", "--agent", "--parent", str(os.getpid()),
            "--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
     # the warm agent: the same torchrun module, told to run the rank's entry file in forked
@@ -254,22 +248,17 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     # fail ("connectFullMesh ... Connection refused") or hang (pytorch/pytorch#135712).
     # A fresh store per attempt, hosted by rank 0 on a free port, avoids that. Only where
     # restarts can happen: otherwise runs stay exactly as under plain torchrun.
-    if max_restarts > 0:
+    if spec.max_restarts > 0:
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     child_env.update(user_env)
     config = {
-        "script": str(script.resolve()), "args": args, "label": label or script.stem,
-        "nproc": plan.nproc, "devices": plan.gpus or "cpu", "backend": plan.backend,
-        "world_size": plan.nproc * nnodes, "nnodes": nnodes, "node_rank": node_rank,
-        "rdzv_endpoint": rdzv_endpoint, "max_restarts": max_restarts, "timeout": timeout,
-        "token": token,
-        "env": {k: child_env[k] for k in sorted(set(plan.env) | set(env or {}))},
-        "versions": _versions(), "host": socket.gethostname(),
+        **fields(spec, plan),
+        "token": token, "versions": _versions(), "host": socket.gethostname(),
         # who supervises the run: `cleanup` spares runs whose launcher is still alive
         "launcher": {"pid": os.getpid(), "create_time": procs.create_time(os.getpid())},
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_unix": time.time(),
         "command": cmd,   # the cold launch; a warm one runs the same torchrun (see "launch")
-        "torchrun": torchrun_line(plan.nproc, rdzv, max_restarts, script.name, args),
+        "torchrun": torchrun_line(plan.nproc, rdzv, spec.max_restarts, script.name, spec.args),
         "launch": {"mode": "warm" if server else "cold", "why": why_cold,
                    "warm_pid": server.pid if server else None},
     }
@@ -277,7 +266,7 @@ def start(script, nproc=None, gpus=None, cpu=False, args=(), run_dir=None, max_r
     warm_spawn = None
     if server is not None:
         warm_spawn = (server, warm_args, {**child_env, guard.FORKED_ENV: "1"})
-    return Run(path, cmd, child_env, config, timeout, warm_spawn)
+    return Run(path, cmd, child_env, config, spec.timeout, warm_spawn)
 
 
 def torchrun_line(nproc, rdzv, max_restarts, script_name, args):

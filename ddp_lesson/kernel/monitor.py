@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import BadInput
-from . import devices, failures, launch, runs
+from . import devices, failures, launch, runs, spec
 from ..rank import rundir
 
 POLL_S = 0.25          # how often a view reads new rows and logs
@@ -35,7 +35,7 @@ TIME_WINDOW = 30       # stragglers are judged on each rank's last 30 steps
 
 def where(config):
     """The devices of a run, in the one wording of a device plan."""
-    return devices.describe(config.get("nproc"), config.get("devices"), config.get("backend"))
+    return devices.describe(config.get("nproc"), spec.gpus(config), config.get("backend"))
 
 
 def title(run):
@@ -113,8 +113,7 @@ class Monitor:
         self.log_lines = log_lines
         self._output = run.output() if output else None
         self.times = runs.StepTimes(window=TIME_WINDOW)
-        gpus = run.config.get("devices")
-        self._gpus = gpus if isinstance(gpus, list) and gpus else None  # physical indices
+        self._gpus = spec.gpus(run.config) or None  # physical indices
         self._gpu_rows, self._gpu_at = [], -GPU_POLL_S
 
     def _gpu_use(self, ended):
@@ -191,12 +190,14 @@ class Session:
         return text, list(args) + self.extra_args, selection
 
     def start(self, args, selection):
-        """Launch the script with `args` on `selection` (DevicePicker.selection()); BadInput
-        as launch.start raises it, with `error` set to its sentence."""
+        """Launch the script with `args` on `selection` (DevicePicker.selection(): launch.start's
+        device keywords). Its spec.Spec is built here, so a script written after the view was
+        made is found; BadInput as the Spec raises it, with `error` set to its sentence."""
         try:
-            run_dir = next_run_dir(self.base_run_dir, self.runs_base, self.runs, self.label or self.script.stem)
-            run = launch.start(self.script, args=list(args) + self.extra_args, run_dir=run_dir,
-                               timeout=self.timeout, label=self.label, **selection)
+            what = spec.Spec(self.script, devices.Request(**selection), args=list(args) + self.extra_args,
+                             timeout=self.timeout, label=self.label)
+            run_dir = next_run_dir(self.base_run_dir, self.runs_base, self.runs, what.label)
+            run = launch.run(what, run_dir)
         except BadInput as e:
             self.error = str(e)
             raise

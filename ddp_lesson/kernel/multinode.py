@@ -3,7 +3,7 @@
     nodes = multinode.start_nodes("rank_table.py", nnodes=2, nproc_per_node=1)
     results = multinode.wait_all(nodes)
 
-Each node is one `launch.start(..., nnodes=N, node_rank=i, rdzv_endpoint=127.0.0.1:PORT)`
+Each node is one launch of the same spec.Spec but for its Nodes(N, i, 127.0.0.1:PORT, job id),
 with its own run directory (<base>/node<i>): exactly what you would type on N machines,
 with the machines' addresses replaced by 127.0.0.1. The c10d rendezvous lets the first
 agent host the store; the others join it.
@@ -14,10 +14,12 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from . import launch
+from . import devices, launch
 from .runs import load, new_run_dir
+from .spec import Nodes, Spec
 
 
 def start_nodes(script, nnodes=2, nproc_per_node=1, args=(), base_dir=None, timeout=None,
@@ -26,13 +28,13 @@ def start_nodes(script, nnodes=2, nproc_per_node=1, args=(), base_dir=None, time
     base = Path(base_dir) if base_dir else new_run_dir(name=f"{Path(script).stem}-{nnodes}nodes")
     endpoint = f"127.0.0.1:{port or launch.free_port()}"
     job = rdzv_id or f"ddp-lesson-{base.name}"
+    job_spec = Spec(script, devices.Request(nproc_per_node, cpu=True), args=args, timeout=timeout, env=env,
+                    nodes=Nodes(nnodes, 0, endpoint, job))   # every node's input checked before any starts
     runs = []
     try:
         for i in range(nnodes):
-            runs.append(launch.start(script, nproc=nproc_per_node, cpu=True, args=args,
-                                     run_dir=base / f"node{i}", timeout=timeout, env=env,
-                                     label=f"node{i}", nnodes=nnodes, node_rank=i,
-                                     rdzv_endpoint=endpoint, rdzv_id=job))
+            node = replace(job_spec, label=f"node{i}", nodes=replace(job_spec.nodes, rank=i))
+            runs.append(launch.run(node, run_dir=base / f"node{i}"))
     except BaseException:
         for r in runs:
             r.stop()

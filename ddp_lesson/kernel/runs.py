@@ -9,6 +9,7 @@ import statistics
 from collections import deque
 from pathlib import Path
 
+from . import spec
 from ..rank import rundir
 from ..rank.metrics import TIME_KEYS   # a step's parts: one list, kept by metrics
 from ..rank.rundir import read_json, write_json  # noqa: F401 (their home is rundir; runs.read_json/write_json stay)
@@ -106,6 +107,11 @@ class RunRecord:
     @property
     def status(self):
         return (self.result or {}).get("status", "running")
+
+    @property
+    def gpus(self):
+        """The physical GPU ids the ranks had, [] for CPU ranks (spec.gpus reads config.json)."""
+        return spec.gpus(self.config)
 
     def series(self, key, rank=None, reduce=None):
         """[(step, value)] for one rank, or for all ranks reduced per step with `reduce`

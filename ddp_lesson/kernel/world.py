@@ -24,15 +24,16 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait as wait_any
 from pathlib import Path
 from typing import Optional
 
-from . import checks, interrupts, launch
+from . import checks, devices, interrupts, launch
 from ..rank import rundir
 from ..rank.world_messages import Done, Exit, Gone, Out, Run, valid_hello
 from .runs import new_run_dir
+from .spec import Spec
 
 RANK_SCRIPT = Path(__file__).resolve().parents[1] / "rank" / "world_rank.py"
 START_TIMEOUT_S = 180           # import torch + init_process_group on a busy laptop
@@ -75,7 +76,9 @@ class World:
 
     def __init__(self, nproc=None, gpus=None, cpu=False, timeout=None):
         self.timeout = _check_timeout(timeout)
-        self._ask = {"nproc": nproc, "gpus": gpus, "cpu": cpu}
+        # what every start launches (bad devices are refused here, before any); each start
+        # adds its own door's address and key
+        self._spec = Spec(RANK_SCRIPT, devices.Request(nproc, gpus, cpu), label="world")
         self._life = threading.RLock()
         self._call = threading.Lock()        # one run() at a time
         self._stop_asked = False   # a stop is waiting for the lock: starts give up (a plain flag: no lock)
@@ -312,9 +315,9 @@ class World:
             key = secrets.token_bytes(32)
             with _Door(key) as door:
                 self._address = door.address
-                run = launch.start(RANK_SCRIPT, label="world", run_dir=new_run_dir(name="world"),
-                                   env={"DDP_LESSON_WORLD_ADDRESS": "%s:%d" % door.address},
-                                   private_files={rundir.WORLD_KEY: key}, **self._ask)
+                run = launch.run(replace(self._spec, env={"DDP_LESSON_WORLD_ADDRESS": "%s:%d" % door.address},
+                                         private_files={rundir.WORLD_KEY: key}),
+                                 run_dir=new_run_dir(name="world"))
                 try:
                     hellos = self._gather(door, run)
                 except BaseException:

@@ -1,0 +1,151 @@
+"""What a launch is, checked when it is built, and how a run's config.json records it.
+
+    s = Spec("train.py", devices.Request(nproc=2, cpu=True), args=["--epochs", "1"], timeout=60)
+    run = launch.run(s)               # launch.start("train.py", nproc=2, ...) builds the same Spec
+    Spec.from_config(run.config)      # the same launch again, on the devices it got
+
+A Spec is a value: frozen, compared by its fields, run as often as wanted (each launch gets
+its own run directory, which is why the directory is not part of it). Every check of a
+launch's input happens when one is built, here and in devices.Request, before anything
+starts: bad input is one sentence (BadInput). Only what needs this machine waits for the
+launch: devices.Request.plan() (which GPUs exist) and the run directory.
+
+config.json holds fields(spec, plan) and what the launcher adds (token, versions, command,
+...). Its `devices` is always a list of physical GPU ids, [] for CPU ranks; gpus(config) is
+the one way to read it, also from run directories written when CPU ranks were "cpu".
+"""
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import BadInput
+from . import checks
+from .devices import Request
+
+RDZV_ID = "ddp-lesson"   # the rendezvous id of a run over several nodes unless one is given
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where a launch sits among nodes: alone (count 1: torchrun --standalone), or node `rank`
+    of `count`, meeting at `endpoint` (HOST:PORT on node 0) under the rendezvous `id`."""
+    count: int = 1
+    rank: int = 0
+    endpoint: object = None
+    id: object = None
+
+    def __post_init__(self):
+        count = checks.number("--nnodes", self.count, 1)
+        rank = checks.number("--node-rank", self.rank, 0)
+        if rank >= count:
+            raise BadInput(f"--node-rank must be below --nnodes ({count}), got {rank}.")
+        if count > 1 and not self.endpoint:
+            raise BadInput("A run over several nodes needs --rdzv-endpoint HOST:PORT (node 0's address).")
+        object.__setattr__(self, "count", count)
+        object.__setattr__(self, "rank", rank)
+        # alone, a node has no rendezvous to name: what was passed would be ignored anyway
+        object.__setattr__(self, "endpoint", str(self.endpoint) if count > 1 else None)
+        object.__setattr__(self, "id", str(self.id or RDZV_ID) if count > 1 else None)
+
+    def torchrun_args(self):
+        """torchrun's rendezvous flags for these nodes."""
+        if self.count == 1:
+            return ["--standalone"]
+        return ["--nnodes", str(self.count), "--node-rank", str(self.rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.id]
+
+
+def _pairs(what, mapping, value):
+    """A mapping as sorted (name, value(v)) pairs: hashable, compared by content."""
+    if not mapping:
+        return ()
+    try:
+        return tuple(sorted((str(k), value(v)) for k, v in dict(mapping).items()))
+    except (TypeError, ValueError):
+        raise BadInput(f"{what}; got {mapping!r}.") from None
+
+
+def _data(value):
+    if not isinstance(value, (bytes, bytearray)):
+        raise TypeError(value)
+    return bytes(value)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One launch: `script` under torchrun on `devices`, with the script's `args`, elastic
+    `max_restarts`, a `timeout` in seconds (None: none), `env` added to every rank's
+    environment, a `label` for plots and titles (default: the script's stem), its `nodes`,
+    `private_files` written 0600 into the run directory before any process starts (never
+    recorded in config.json), and `cold` (the agent and every rank as new interpreters, as a
+    CLI torchrun starts them). Built from plain values; held normalised: a Path, tuples, a
+    float timeout, env and private_files as sorted (name, value) pairs."""
+    script: Path
+    devices: Request = Request()
+    args: tuple = ()
+    max_restarts: int = 0
+    timeout: object = None
+    env: tuple = ()
+    label: object = None
+    nodes: Nodes = Nodes()
+    private_files: tuple = field(default=(), repr=False)
+    cold: bool = False
+
+    def __post_init__(self):
+        script = Path(self.script)
+        if not script.is_file():
+            raise BadInput(f"The script {script} does not exist." if not script.exists()
+                           else f"The script {script} is not a file.")
+        if not isinstance(self.devices, Request):
+            raise BadInput(f"A launch's devices must be a devices.Request, like Request(nproc=2); "
+                           f"got {self.devices!r}.")
+        if isinstance(self.args, (str, bytes)) or not hasattr(self.args, "__iter__"):
+            raise BadInput(f"The script's args must be a list of words, like [\"--epochs\", \"1\"]; "
+                           f"got {self.args!r}.")
+        if not isinstance(self.nodes, Nodes):
+            raise BadInput(f"A launch's nodes must be a spec.Nodes, like Nodes(2, 0, \"host:29400\"); "
+                           f"got {self.nodes!r}.")
+        normal = {
+            "script": script, "args": tuple(str(a) for a in self.args),
+            "max_restarts": checks.number("--max-restarts", self.max_restarts, 0),
+            "timeout": checks.number("--timeout", self.timeout, 0.001, kind=float, allow_none=True),
+            "env": _pairs("The env must map names to values, like {\"OMP_NUM_THREADS\": 1}", self.env, str),
+            "label": str(self.label) if self.label else script.stem,
+            "private_files": _pairs("The private_files must map file names to bytes", self.private_files, _data),
+            "cold": bool(self.cold)}
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)   # frozen: only here, while it is built
+
+    @classmethod
+    def from_config(cls, config):
+        """The Spec of a past launch, from its config.json (a dict): the same script, arguments,
+        options and nodes, pinned to the devices its ranks had."""
+        ids = gpus(config)
+        env = config.get("env") or {}
+        if "device_env" not in config:   # written before the devices' env had its own field
+            env = {k: v for k, v in env.items() if k not in ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES",
+                                                              "OMP_NUM_THREADS")}
+        return cls(config["script"], Request(config["nproc"], ids or None, cpu=not ids),
+                   args=config.get("args", ()), max_restarts=config.get("max_restarts", 0),
+                   timeout=config.get("timeout"), env=env, label=config.get("label"),
+                   nodes=Nodes(config.get("nnodes", 1), config.get("node_rank", 0),
+                               config.get("rdzv_endpoint"), config.get("rdzv_id")),
+                   cold=config.get("cold", False))
+
+
+def fields(spec, plan):
+    """What config.json records of launching `spec` on `plan` (a devices.Plan)."""
+    return {
+        "script": str(spec.script.resolve()), "args": list(spec.args), "label": spec.label,
+        "nproc": plan.nproc, "devices": list(plan.gpus), "backend": plan.backend,
+        "world_size": plan.nproc * spec.nodes.count, "nnodes": spec.nodes.count,
+        "node_rank": spec.nodes.rank, "rdzv_endpoint": spec.nodes.endpoint, "rdzv_id": spec.nodes.id,
+        "max_restarts": spec.max_restarts, "timeout": spec.timeout, "cold": spec.cold,
+        "env": dict(spec.env), "device_env": dict(plan.env),
+    }
+
+
+def gpus(config):
+    """The physical GPU ids a run's ranks had, from its config (a dict): [] for CPU ranks.
+    Run directories written before devices was always a list hold "cpu" for []."""
+    value = (config or {}).get("devices")
+    return [int(g) for g in value] if isinstance(value, list) else []
