@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import launch
+from ddp_lesson import launch, syncbn_compare
 from ddp_lesson.bundled import script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -388,13 +388,26 @@ def test_04_step_by_step_check_rejects_a_script_that_never_converts(tmp_path):
     _, (_, loss) = plots.series(runs.load(started["planted"].run_dir).rows, "loss")
     cell = next(c for c in json.loads((ROOT_NB / "04_sync_batchnorm.ipynb").read_text())["cells"]
                 if c.get("id") == "04-11")
-    text = "".join(cell["source"])
-    ns = {}
-    exec(text[text.index("def check_step_by_step("):text.index("\n\n\n")], ns)
+    assert "syncbn_compare.compare(panel, ref, small," in "".join(cell["source"])   # the cell's check
     one, plain = ref["runs"]["1 process"]["loss"], ref["runs"]["DDP, BN"]["loss"]
     assert max(abs(a - b) for a, b in zip(loss, plain)) < 1e-5       # the planted run is plain BN
     with pytest.raises(AssertionError, match="SyncBN vs one process"):
-        ns["check_step_by_step"](loss, one, plain, 2)
+        syncbn_compare.check_step_by_step(loss, one, plain, 2)
+    with pytest.raises(AssertionError, match="SyncBN vs one process"):   # the cell's own call, planted run
+        syncbn_compare.compare(started["planted"], ref, {k[2:]: v for k, v in zip(opts[::2], opts[1::2])},
+                               {"ms_per_step_bn": 1.0, "ms_per_step_syncbn": 2.0}, script=planted)
+
+
+def test_04_compare_knows_a_run_unlike_the_reference_runs():
+    # 04 cell 04-11 launches its own CPU run when the panel's is not like the reference runs
+    from types import SimpleNamespace as Rec
+    ref = {"world_size": 2, "args": {"epochs": 2, "batch_size": 4, "lr": 0.02}}
+    options = {"epochs": 2, "batch-size": 4, "lr": 0.02}
+    assert syncbn_compare.like_the_reference(Rec(gpus=[], config={"world_size": 2}), ref, options) == ""
+    assert "GPUs" in syncbn_compare.like_the_reference(Rec(gpus=[0, 1], config={"world_size": 2}), ref, options)
+    assert "3 rank" in syncbn_compare.like_the_reference(Rec(gpus=[], config={"world_size": 3}), ref, options)
+    assert "options" in syncbn_compare.like_the_reference(Rec(gpus=[], config={"world_size": 2}), ref,
+                                                          {**options, "lr": 0.1})
 
 
 @pytest.mark.parametrize("mistake", [None, "two seeds", "no set_epoch"])
