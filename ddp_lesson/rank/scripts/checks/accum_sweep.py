@@ -56,7 +56,7 @@ def train(model, x, y, batch, k, epochs, lr, sampler=None):
         n = len(idx) // batch
         for i in range(n):
             mb = idx[i * batch:(i + 1) * batch]
-            window = min(k, n - (i - i % k))
+            window = min(k, n - i // k * k)  # the last window may be short
             last = (i + 1) % k == 0 or i + 1 == n
             ctx = model.no_sync() if (isinstance(model, DDP) and not last) else contextlib.nullcontext()
             with ctx:

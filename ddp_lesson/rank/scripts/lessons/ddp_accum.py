@@ -59,7 +59,7 @@ def accumulate(model, opt, sched, batches, k, n, device):
     (i, out, y, loss) of each window's last micro-batch, after its optimizer step."""
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
-        window = min(k, n - (i - i % k))  # micro-batches in this window: the last may be short
+        window = min(k, n - i // k * k)  # this window's size; n = 10, k = 4: windows of 4, 4, 2
         last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
         # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
         with contextlib.nullcontext() if last else model.no_sync():
