@@ -49,22 +49,28 @@ def add_then(parser):
 
 def main(parse_args, run):
     """A section script's whole life in its rank: the set-up every DDP script in 03-05 shows
-    line by line, then this section's run(), then each --then section's, then the end."""
+    line by line (@record included), then this section's run(), then each --then section's,
+    then the end."""
     import os
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
 
-    args = parse_args()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    run(args, device)
-    then(getattr(args, "then", []), device)   # --then: later sections' scripts, in these same ranks
-    dist.destroy_process_group()
+    @record  # as in 03: a failing rank's traceback reaches torchrun's error summary
+    def life():
+        args = parse_args()
+        local_rank = int(os.environ["LOCAL_RANK"])
+        use_cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+        run(args, device)
+        then(getattr(args, "then", []), device)   # --then: later sections' scripts, in these same ranks
+        dist.destroy_process_group()
+
+    life()
 
 
 def then(links, device):
