@@ -468,5 +468,5 @@ def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path
     if mistake is None:                          # the lesson's script passes the same check
         ns["check_shards"](rows, 2, 128)
         return
-    with pytest.raises(AssertionError, match="sampler seed" if mistake == "two seeds" else "set_epoch"):
+    with pytest.raises(AssertionError, match="overlap or miss" if mistake == "two seeds" else "set_epoch"):
         ns["check_shards"](rows, 2, 128)
