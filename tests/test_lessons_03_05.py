@@ -115,8 +115,52 @@ def test_single_to_ddp_diff_is_the_ddp_lines():
                    "destroy_process_group", "dist.all_reduce(counts)", "@record", "if rank == 0"):
         assert needle in added and needle not in removed, needle
     assert "shuffle=True" in removed          # the sampler shuffles instead of the loader
-    # the DDP lines, the course's `# course` lines 03 names, and 06's straggler switch (3 lines)
+    # the DDP lines, the course's `# course` lines, and the docstring
     assert sum(l[:1] in "+-" for l in diff) <= 84
+
+
+LESSON_DIFFS = (("train_single.py", "ddp_basic.py"), ("ddp_basic.py", "ddp_syncbn.py"),
+                ("ddp_syncbn.py", "ddp_accum.py"))   # the diffs notebooks 03, 04 and 05 show
+
+
+def changed(diff):
+    return [l for l in diff if l[:1] in "+-" and l[:3] not in ("+++", "---")]
+
+
+@pytest.mark.parametrize("old,new", LESSON_DIFFS)
+def test_course_false_hides_exactly_the_course_lines_and_no_ddp_line(old, new):
+    from ddp_lesson.notebook import lesson
+    full = changed(lesson.script_diff(old, script(new), context=0))
+    shown = changed(lesson.script_diff(old, script(new), context=0, course=False))
+    hidden = [l for l in full if l not in shown]
+    assert all(lesson.course_line(l) for l in hidden)                   # only `# course` lines go ...
+    assert not any(lesson.course_line(l) for l in shown)                # ... and all of them
+    assert not any("# DDP" in l for l in hidden)                        # no DDP line is hidden
+    assert [l for l in full if "# DDP" in l] == [l for l in shown if "# DDP" in l]
+    for name in (old, new):                                             # a `# course` line is never DDP
+        assert not any(lesson.course_line(l) and "# DDP" in l for l in script(name).read_text().splitlines())
+
+
+def test_course_marker_is_a_comment_not_a_mention():
+    from ddp_lesson.notebook import lesson
+    for line in ("    timer = metrics.StepTimer(model)  # course", "    # course: the StepTimer times",
+                 "    row.update(timer.lap())  # course: + data_s"):
+        assert lesson.course_line(line), line
+    for line in ("Lines marked # course are the course's", "    loss.backward()  # DDP: the course",
+                 "    else:  # it refuses CPU tensors; the course's CPU version", "x = 1  # courses"):
+        assert not lesson.course_line(line), line
+
+
+def test_03_diff_without_course_lines_is_only_what_makes_it_distributed(capsys):
+    from ddp_lesson.notebook import lesson
+    lesson.show_diff("train_single.py", script("ddp_basic.py"), context=0, course=False)
+    out = capsys.readouterr().out
+    code = "\n".join(l for l in changed(out.splitlines()) if l[1:5] == "    ")   # not the docstring
+    for plumbing in ("StepTimer", "slow", "timer", "shard=", "sleep"):
+        assert plumbing not in code, plumbing
+    hidden = sum(map(lesson.course_line, script("ddp_basic.py").read_text().splitlines()))
+    assert hidden >= 8 and f"({hidden} lines marked `# course` left out" in out
+    assert len(changed(out.splitlines())) <= 75      # the DDP lines and the docstring
 
 
 def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():
@@ -437,5 +481,5 @@ def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path
     if mistake is None:                          # the lesson's script passes the same check
         ns["check_shards"](rows, 2, 128)
         return
-    with pytest.raises(AssertionError, match="sampler seed" if mistake == "two seeds" else "set_epoch"):
+    with pytest.raises(AssertionError, match="overlap or miss" if mistake == "two seeds" else "set_epoch"):
         ns["check_shards"](rows, 2, 128)

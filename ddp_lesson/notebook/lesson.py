@@ -7,11 +7,13 @@
     result = verdict(run, "equivalence.json")   # waits, then reads the JSON it wrote
     amp = written(run, "amp.json")              # reads it as soon as it is written (a --then chain)
     show_diff("ddp_basic.py", "work/ddp_syncbn.py")
+    show_diff("train_single.py", script("ddp_basic.py"), course=False)  # hides the `# course` lines
     show(fig)                                   # display a figure once and close it
     ring = load_script("work/ring_allreduce.py")  # a module you edit, loaded afresh
 """
 import difflib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -74,16 +76,34 @@ def written(run, filename, poll=0.2):
                          + (f" in {where}" if where else "") + f": {result.get('message')}")
 
 
-def script_diff(old, new, context=1):
-    """Unified diff lines from the reference script `old` (a shipped script's name, bundled.script) to the file `new`."""
+COURSE = re.compile(r"#\s*course(:|\s*$)")   # a `# course` comment: the course's plumbing, not DDP
+
+
+def course_line(line):
+    """True for a line whose comment is `# course` or starts `# course:`: the course's own
+    plumbing (timing, the logs its checks read), which a learner's own script does not need."""
+    return bool(COURSE.search(line))
+
+
+def script_diff(old, new, context=1, course=True):
+    """Unified diff lines from the reference script `old` (a shipped script's name, bundled.script)
+    to the file `new`. course=False leaves out the `# course` lines of both before comparing."""
     a = script(old).read_text().splitlines()
     b = Path(new).read_text().splitlines()
+    if not course:
+        a = [line for line in a if not course_line(line)]
+        b = [line for line in b if not course_line(line)]
     return list(difflib.unified_diff(a, b, old, str(new), lineterm="", n=context))
 
 
-def show_diff(old, new, context=1):
-    """The lesson is the diff: print what changed from the previous lesson's script."""
-    print("\n".join(script_diff(old, new, context)))
+def show_diff(old, new, context=1, course=True):
+    """The lesson is the diff: print what changed from the previous lesson's script.
+    course=False hides the lines marked `# course` and says how many of `new`'s it hid."""
+    print("\n".join(script_diff(old, new, context, course)))
+    if not course:
+        hidden = sum(course_line(line) for line in Path(new).read_text().splitlines())
+        print(f"\n({hidden} lines marked `# course` left out: the course's own timing and logging. "
+              f"The script has them all.)")
 
 
 def show(fig):

@@ -223,6 +223,11 @@ class StepTimer:
             self._data += time.perf_counter() - t
             yield batch
 
+    def timed_loader(self, loader):
+        """The loader, timed: each time it is iterated, as timed(loader) does; len() is the
+        loader's. Wrap it once, before the epochs: `loader = timer.timed_loader(loader)`."""
+        return _TimedLoader(self, loader)
+
     def lap(self):
         """{data_s, compute_s, wait_s, mem_mb} of the step since the last lap, then restart."""
         if not self.enabled:
@@ -247,3 +252,16 @@ class StepTimer:
                "mem_mb": round(mem, 1)}
         self._t, self._data, self._launched, self._done = now, 0.0, None, None
         return out
+
+
+class _TimedLoader:
+    """StepTimer.timed_loader's answer: iterate it every epoch, like the loader it wraps."""
+
+    def __init__(self, timer, loader):
+        self.timer, self.loader = timer, loader
+
+    def __iter__(self):
+        return self.timer.timed(self.loader)
+
+    def __len__(self):
+        return len(self.loader)

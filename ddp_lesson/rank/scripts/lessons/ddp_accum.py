@@ -106,10 +106,11 @@ def main():
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # course: times each step; its comm hook (a function DDP calls to all-reduce the
-    # gradients) averages them exactly as DDP's default does.
-    # Not needed in your code. Only one hook per model: drop this line to add yours.
-    timer = metrics.StepTimer(model)
+    # course: the StepTimer times each step for the run panel. Its comm hook, a function DDP
+    # course: calls to all-reduce the gradients, averages them exactly as DDP's default does.
+    # course: Not needed in your code. Only one hook per model: drop these lines to add yours.
+    timer = metrics.StepTimer(model)  # course
+    loader = timer.timed_loader(loader)  # course: also times the loading of each batch
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
 
@@ -118,12 +119,12 @@ def main():
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         metrics.log(step, epoch=epoch, shard=list(sampler))  # course: for the shard check
         t0 = time.perf_counter()
-        batches = timer.timed(loader)  # timed: data_s
-        for i, out, y, loss in accumulate(model, opt, sched, batches, args.accum_steps, len(loader), device):
+        for i, out, y, loss in accumulate(model, opt, sched, loader, args.accum_steps, len(loader), device):
             step += 1
             acc = (out.argmax(1) == y).float().mean()
-            metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0],
-                        epoch=epoch, **timer.lap())  # + data_s, compute_s, wait_s, mem_mb
+            row = dict(loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0], epoch=epoch)
+            row.update(timer.lap())  # course: + data_s, compute_s, wait_s, mem_mb
+            metrics.log(step, **row)
             if rank == 0:  # DDP: only rank 0 draws the progress bar
                 done = (i + 1) * 20 // len(loader)
                 print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "

@@ -27,8 +27,8 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up")
     p.add_argument("--train-samples", type=int, default=4096, help="use fewer to run faster")
-    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms each step")
-    p.add_argument("--slow-ms", type=float, default=0.0, help="a straggler on purpose")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms each step")  # course
+    p.add_argument("--slow-ms", type=float, default=0.0, help="a straggler on purpose")  # course
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-bn", action="store_true", help="not type=bool: bool('False') is True")
     p.add_argument("--dataset", default="shapes", choices=["shapes", "cifar10"])
@@ -85,10 +85,11 @@ def main():
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # course: times each step; its comm hook (a function DDP calls to all-reduce the
-    # gradients) averages them exactly as DDP's default does.
-    # Not needed in your code. Only one hook per model: drop this line to add yours.
-    timer = metrics.StepTimer(model)
+    # course: the StepTimer times each step for the run panel. Its comm hook, a function DDP
+    # course: calls to all-reduce the gradients, averages them exactly as DDP's default does.
+    # course: Not needed in your code. Only one hook per model: drop these lines to add yours.
+    timer = metrics.StepTimer(model)  # course
+    loader = timer.timed_loader(loader)  # course: also times the loading of each batch
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
 
@@ -97,19 +98,20 @@ def main():
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         metrics.log(step, epoch=epoch, shard=list(sampler))  # course: for the shard check
         t0 = time.perf_counter()
-        for i, (x, y) in enumerate(timer.timed(loader)):  # timed: data_s
+        for i, (x, y) in enumerate(loader):
             x, y = x.to(device), y.to(device)
             out = model(x)
             loss = F.cross_entropy(out, y)
-            if rank == args.slow_rank: time.sleep(args.slow_ms / 1000)  # a straggler on purpose
+            if rank == args.slow_rank: time.sleep(args.slow_ms / 1000)  # course: a straggler on purpose
             opt.zero_grad(set_to_none=True)
             loss.backward()  # DDP: gradients are averaged over ranks during backward
             opt.step()
             sched.step()
             step += 1
             acc = (out.argmax(1) == y).float().mean()
-            metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0],
-                        epoch=epoch, **timer.lap())  # + data_s, compute_s, wait_s, mem_mb
+            row = dict(loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0], epoch=epoch)
+            row.update(timer.lap())  # course: + data_s, compute_s, wait_s, mem_mb
+            metrics.log(step, **row)
             if rank == 0:  # DDP: only rank 0 draws the progress bar
                 done = (i + 1) * 20 // len(loader)
                 print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "

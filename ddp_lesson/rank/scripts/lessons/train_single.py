@@ -67,7 +67,8 @@ def main():
             sched.step()
             step += 1
             acc = (out.argmax(1) == y).float().mean()
-            metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0], epoch=epoch)
+            row = dict(loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0], epoch=epoch)
+            metrics.log(step, **row)
             done = (i + 1) * 20 // len(loader)
             print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "
                   f"loss {loss.item():.3f}", end="", flush=True)
