@@ -1,5 +1,6 @@
 """The run directory has one owner, ddp_lesson/rank/rundir.py: its names, the variable that points
-a process at it, creation and atomic writes. Other package modules go through it."""
+a process at it, creation and atomic writes. Other package modules go through it, and the shipped
+scripts through metrics (run_dir, save_json, checkpoint_path)."""
 import ast
 import os
 import stat
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import rundir
+from ddp_lesson import metrics, rundir
 
 PACKAGE = Path(rundir.__file__).parents[1]   # ddp_lesson/, whose rank/ holds rundir.py
 NAMES = ("config.json", "result.json", "script.py", "agent.log", "agent.failures.json", ".jsonl",
@@ -62,15 +63,45 @@ def literals(path):
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
 
 
-def test_the_run_directory_names_are_spelled_in_rundir_only():
-    """Package modules (the scripts a learner reads are not held to it yet) name no file of the
-    run directory and neither environment variable themselves."""
-    spelled = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "rundir.py" or "scripts" in path.relative_to(PACKAGE).parts:
-            continue
+def spelled(paths):
+    """{file: [its literals naming a run-directory file or variable]}, for the files that have any."""
+    out = {}
+    for path in paths:
         found = [v for v in literals(path) if any(name in v for name in NAMES)]
         if found:
-            spelled[path.name] = found
-    assert not spelled, spelled
+            out[str(path)] = found
+    return out
+
+
+def test_the_run_directory_names_are_spelled_in_rundir_only():
+    """No package module and no shipped script (ddp_lesson/rank/scripts/**, which the notebooks
+    write out) names a file of the run directory or either environment variable itself."""
+    paths = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "rundir.py"]
+    assert any("scripts" in p.parts and p.name == "ddp_basic.py" for p in paths)   # the scripts are in
+    found = spelled(paths)
+    assert not found, found
     assert any("config.json" in v for v in literals(PACKAGE / "rank" / "rundir.py"))  # the check can see
+
+
+def test_the_check_finds_a_script_that_spells_them(tmp_path):
+    """What scripts did before metrics.run_dir(): the check names both lines, not the docstring."""
+    script = tmp_path / "planted.py"
+    script.write_text('''"""Saves model.pt into DDP_LESSON_RUN_DIR (a docstring may say so)."""
+import os
+ckpt = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "model.pt")
+with open(os.path.join(os.environ["DDP_LESSON_RUN_DIR"], "amp.json"), "w") as f:
+    pass
+''')
+    found = spelled([script])
+    assert list(found) == [str(script)]
+    assert sorted(found[str(script)]) == ["DDP_LESSON_RUN_DIR", "DDP_LESSON_RUN_DIR", "model.pt"]
+
+
+def test_a_script_finds_the_run_directory_through_metrics(monkeypatch, tmp_path):
+    monkeypatch.delenv(rundir.ENV, raising=False)
+    assert metrics.run_dir() == Path(".") and metrics.checkpoint_path() == Path("model.pt")
+    monkeypatch.setenv(rundir.ENV, str(tmp_path))
+    assert metrics.run_dir() == tmp_path and metrics.checkpoint_path() == tmp_path / "model.pt"
+    path = metrics.save_json("amp.json", {"scale": 2.0})
+    assert path == tmp_path / "amp.json" and rundir.read_json(path) == {"scale": 2.0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["amp.json"]   # no temporary file left

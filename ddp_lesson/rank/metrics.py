@@ -6,6 +6,9 @@
 Cheap enough for every step (one small write, flushed). Outside the launcher
 (DDP_LESSON_RUN_DIR unset, e.g. plain torchrun) it does nothing.
 
+A script's other files go into the same run directory, named by run_dir(), save_json()
+and checkpoint_path(); outside the launcher that is the current directory.
+
 One vocabulary for every script (plots take their axis labels from LABELS):
 - `loss`            this rank's training loss on its batch, every step
 - `train_accuracy`  this rank's accuracy on its training batch, every step (tiny batches
@@ -32,6 +35,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from . import rundir
 
@@ -70,6 +74,23 @@ def log(step, **values):
             v = None  # NaN/inf are not JSON: a diverged loss is written as null
         row[k] = v
     f.write(json.dumps(row, allow_nan=False) + "\n")  # line-buffered: the newline flushes it
+
+
+def run_dir():
+    """This run's folder (`.` outside a course launch): a script's files go where the notebook looks."""
+    return rundir.from_env(Path("."))
+
+
+def save_json(name, data):
+    """Write a script's result file run_dir()/name atomically: a notebook never reads half of it."""
+    path = run_dir() / name
+    rundir.write_json(path, data)
+    return path
+
+
+def checkpoint_path():
+    """Where rank 0 saves the trained weights: the file a notebook's Run.state_dict() loads."""
+    return run_dir() / rundir.MODEL
 
 
 def log_process(step=0, **values):

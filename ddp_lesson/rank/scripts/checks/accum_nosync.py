@@ -16,9 +16,7 @@ script ex_no_sync.py (its rows go to this run's metrics, which the exercise read
 import contextlib
 import importlib.util
 import copy
-import json
 import math
-import os
 import sys
 import time
 import types
@@ -29,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import bundled, data, models
+from ddp_lesson import bundled, data, metrics, models
 
 K, B, STEPS = 4, 8, 3
 
@@ -182,8 +180,7 @@ def main():
     out["ms_per_optimizer_step"] = {k: min(v) for k, v in times.items()}
     out["windows"] = window_rows(base, ddp_accum_loop())
     if rank == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "accum.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        metrics.save_json("accum.json", out)
     exercise = bundled.load(bundled.script("ex_no_sync.py"))   # the exercise's script: one launch instead of two
     exercise.run_placements(torch.device("cpu"))
     dist.destroy_process_group()

@@ -8,7 +8,6 @@ epochs. Writes sweep.json.
 """
 import argparse
 import contextlib
-import json
 import os
 import time
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, models
+from ddp_lesson import data, metrics, models
 
 
 def parse_args():
@@ -102,8 +101,7 @@ def main():
     if rank == 0:
         for r in rows:
             r["ms_per_optimizer_step"] = 1000 * r["seconds"] / r["optimizer_steps"]
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "sweep.json"), "w") as f:
-            json.dump({"args": vars(args), "world_size": world, "rows": rows}, f, indent=1)
+        metrics.save_json("sweep.json", {"args": vars(args), "world_size": world, "rows": rows})
     dist.destroy_process_group()
 
 

@@ -16,10 +16,9 @@ import find_unused
 
 def main():
     dist.init_process_group("gloo")   # CPU ranks: the notebook starts this with check(), always on CPU
-    run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
-    ddp_equivalence.check(run_dir)
-    ddp_checks.check(torch.device("cpu"), None, run_dir)
-    find_unused.check(run_dir)        # last: it leaves a DDP object that cannot be torn down
+    ddp_equivalence.check()
+    ddp_checks.check(torch.device("cpu"), None)
+    find_unused.check()               # last: it leaves a DDP object that cannot be torn down
     sys.stdout.flush()                # (see find_unused.main): leave without destructors
     sys.stderr.flush()
     os._exit(0)

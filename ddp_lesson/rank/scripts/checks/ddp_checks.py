@@ -16,7 +16,6 @@
 Writes ddp_checks.json (one entry per rank) into the run directory (check() does the work;
 notebook 03b runs it with ddp_equivalence.py and find_unused.py in one launch, checks_03b.py).
 """
-import json
 import os
 import time
 
@@ -25,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_lesson import metrics
 
 
 def overlap(device, ids, bucket_cap_mb):
@@ -90,8 +91,8 @@ def buffers_broadcast(device, ids, rank, world, sync, no_grad_before_last=False)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def map_location(device, rank, run_dir):
-    path = os.path.join(run_dir, "ddp_checks_ckpt.pt")
+def map_location(device, rank):
+    path = metrics.run_dir() / "ddp_checks_ckpt.pt"
     if rank == 0:
         torch.save(nn.Linear(3, 3).to(device).state_dict(), path)
     dist.barrier()
@@ -102,7 +103,7 @@ def map_location(device, rank, run_dir):
     return {"saved_on": sorted(saved_on), "loaded_on": sorted({str(t.device) for t in state.values()})}
 
 
-def check(device, ids, run_dir):
+def check(device, ids):
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {
         "rank": rank, "world_size": world, "device": str(device),
@@ -112,13 +113,12 @@ def check(device, ids, run_dir):
         "buffers_equal_without_broadcast": buffers_broadcast(device, ids, rank, world, False),
         "buffers_equal_after_no_grad_forward": buffers_broadcast(device, ids, rank, world, True,
                                                                  no_grad_before_last=True),
-        "map_location": map_location(device, rank, run_dir),
+        "map_location": map_location(device, rank),
     }
     results = [None] * world
     dist.all_gather_object(results, result)
     if rank == 0:
-        with open(os.path.join(run_dir, "ddp_checks.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        metrics.save_json("ddp_checks.json", results)
 
 
 def main():
@@ -128,7 +128,7 @@ def main():
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    check(device, [local_rank] if use_cuda else None, os.environ.get("DDP_LESSON_RUN_DIR", "."))
+    check(device, [local_rank] if use_cuda else None)
     dist.destroy_process_group()
 
 

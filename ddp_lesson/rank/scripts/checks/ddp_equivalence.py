@@ -8,8 +8,6 @@ with ddp_checks.py and find_unused.py in one launch, checks_03b.py):
 - DistributedSampler: without set_epoch every epoch repeats its shuffle, with it they differ.
 """
 import copy
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -17,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, models
+from ddp_lesson import data, metrics, models
 
 STEPS, PER_RANK = 8, 8
 
@@ -32,7 +30,7 @@ def same_on_all_ranks(t):
     return all(torch.equal(gathered[0], g) for g in gathered)
 
 
-def check(run_dir):
+def check():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1000 + rank)  # each rank starts from different weights
     model = models.SmallCNN(norm=False)  # no BatchNorm: BN statistics are per rank
@@ -102,13 +100,12 @@ def check(run_dir):
                                and sum(len(set(a) & set(b)) for i, a in enumerate(shards)
                                        for b in shards[i + 1:]) == sampler.total_size - len(dataset),
         }
-        with open(os.path.join(run_dir, "equivalence.json"), "w") as f:
-            json.dump(verdict, f, indent=1)
+        metrics.save_json("equivalence.json", verdict)
 
 
 def main():
     dist.init_process_group("gloo")  # a check of the arithmetic: CPU is enough
-    check(os.environ.get("DDP_LESSON_RUN_DIR", "."))
+    check()
     dist.destroy_process_group()
 
 

@@ -6,7 +6,6 @@ it, DDP walks the autograd graph every step to mark them ready. Writes find_unus
 (check() does the work; notebook 03b runs it after ddp_equivalence.py and ddp_checks.py in
 one launch, checks_03b.py).
 """
-import json
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data, models
+from ddp_lesson import data, metrics, models
 
 
 class TwoHeads(nn.Module):
@@ -43,7 +42,7 @@ def train(ddp, steps, use_extra_every=0):
     return (time.perf_counter() - t0) / steps
 
 
-def check(run_dir):
+def check():
     torch.manual_seed(0)
     out = {}
     try:  # the branch is unused on step 2: DDP notices on step 3
@@ -63,14 +62,13 @@ def check(run_dir):
     out["ms_per_step_flag_off"] = min(times["off"])
     out["ms_per_step_flag_on"] = min(times["on"])
     if dist.get_rank() == 0:
-        with open(os.path.join(run_dir, "find_unused.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        metrics.save_json("find_unused.json", out)
     dist.barrier()
 
 
 def main():
     dist.init_process_group("gloo")
-    check(os.environ.get("DDP_LESSON_RUN_DIR", "."))
+    check()
     # The DDP object that failed still waits for the unused gradient; tearing it down can
     # abort the process ("terminate called without an active exception"). Leave without
     # running its destructor: everything this check had to say is written.

@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddp_lesson import metrics
+
 MIB = 64
 
 
@@ -47,8 +49,7 @@ def main():
                   "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
                   "sum_correct": correct, "message_mib": MIB, "ms_per_all_reduce": 1000 * seconds,
                   "algbw_gb_s": algbw, "busbw_gb_s": algbw * 2 * (n - 1) / n}
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "nccl.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        metrics.save_json("nccl.json", result)
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()
     if not correct:

@@ -20,7 +20,6 @@ an edit to notebook 04's work/ddp_syncbn.py does not reach them. Writes referenc
     torchrun --standalone --nproc-per-node 2 syncbn_stats.py --batch-size 4 --epochs 2
 """
 import copy
-import json
 import os
 import time
 
@@ -32,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import bundled, data, models, syncbn
+from ddp_lesson import bundled, data, metrics, models, syncbn
 
 
 LESSON = bundled.load(bundled.script("ddp_syncbn.py"))  # the lesson script (not work/'s copy), for `train`
@@ -218,15 +217,13 @@ def main():
 
     results = [None] * world
     dist.all_gather_object(results, result)
-    run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
     if rank == 0:
-        with open(os.path.join(run_dir, "syncbn.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        metrics.save_json("syncbn.json", results)
 
     ref = reference_runs(args, rank, world, device, ids)
     if rank == 0:
-        with open(os.path.join(run_dir, "reference_runs.json"), "w") as f:
-            json.dump({"world_size": world, "per_rank_batch": B, "args": vars(args), "runs": ref}, f, indent=1)
+        metrics.save_json("reference_runs.json",
+                          {"world_size": world, "per_rank_batch": B, "args": vars(args), "runs": ref})
     dist.destroy_process_group()
 
 

@@ -14,9 +14,7 @@ unscale_) or did not bring it to min(norm, max_norm).
 """
 import argparse
 import contextlib
-import json
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -96,8 +94,7 @@ def run(args, device):
     out["loss_dtype"] = str(loss.dtype)
     out["param_dtype"] = str(next(model.parameters()).dtype)
     if rank == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "amp.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        metrics.save_json("amp.json", out)
 
 
 def check(amp):

@@ -30,7 +30,6 @@ Writes compile.json; check(comp) is the notebook's check of it.
 """
 import argparse
 import copy
-import json
 import os
 import shutil
 import time
@@ -44,7 +43,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import chain, data
+from ddp_lesson import chain, data, metrics
 
 
 def parse_args(argv=None):
@@ -237,8 +236,7 @@ def run(args, device):
     out["loss_on_all_samples"] = {"start": loss_on_all(nn.utils.parameters_to_vector(base.parameters())),
                                   **{k: loss_on_all(w) for k, w in weights.items()}}
     if rank == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compile.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        metrics.save_json("compile.json", out)
 
 
 def straddling(buckets, pieces):

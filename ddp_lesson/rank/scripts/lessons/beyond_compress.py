@@ -11,8 +11,6 @@ run and finish. Writes compress.json; check(compress) is the notebook's check of
 """
 import argparse
 import copy
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -108,8 +106,7 @@ def run(args, device):
     for name in HOOKS:
         out["runs"][name]["max_weight_diff_vs_fp32"] = (weights[name] - weights["fp32"]).abs().max().item()
     if rank == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "compress.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        metrics.save_json("compress.json", out)
 
 
 def check(compress):

@@ -11,7 +11,6 @@ The notebook runs the save as the end of one launch (... --then beyond_dcp --sav
 ddp_lesson/rank/chain.py) after sections 1-4's scripts, in the same ranks.
 """
 import argparse
-import json
 import math
 import os
 
@@ -25,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ddp_lesson import chain, data
+from ddp_lesson import chain, data, metrics
 
 
 def parse_args(argv=None):
@@ -63,7 +62,6 @@ def run(args, device):
     """Save or load, in a process group already started; rank 0 writes dcp_save.json / dcp_load.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
-    run_dir = os.environ.get("DDP_LESSON_RUN_DIR", ".")
 
     if args.save:
         model = sharded_model(mesh, seed=0)
@@ -88,8 +86,7 @@ def run(args, device):
                    "floats_on_rank0": sum(v.numel() for v in mine.values()),
                    "full_shapes": {k: list(v.shape) for k, v in reference.items()},
                    "local_shapes": {k: list(v.shape) for k, v in mine.items()}}
-            with open(os.path.join(run_dir, "dcp_save.json"), "w") as f:
-                json.dump(out, f, indent=1)
+            metrics.save_json("dcp_save.json", out)
     else:
         model = sharded_model(mesh, seed=1)               # different weights: the load must replace them
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -113,8 +110,7 @@ def run(args, device):
                                                    for k in saved_moments),
                    "min_moment_abs_max": min(v.abs().max().item() for v in saved_moments.values()),
                    "local_shapes": {k: list(v.to_local().shape) for k, v in model.state_dict().items()}}
-            with open(os.path.join(run_dir, "dcp_load.json"), "w") as f:
-                json.dump(out, f, indent=1)
+            metrics.save_json("dcp_load.json", out)
 
 
 def check(saved, loaded):

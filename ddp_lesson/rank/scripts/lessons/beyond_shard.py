@@ -21,8 +21,6 @@ step (/proc/self/io). Writes shard.json.
 """
 import argparse
 import copy
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import chain, data
+from ddp_lesson import chain, data, metrics
 
 
 def parse_args(argv=None):
@@ -187,8 +185,7 @@ def run(args, device):
     if not use_cuda:                     # nccl's bytes do not go through this process's sockets
         out["sent_per_step"] = {k: gather(v[0]) for k, v in sent.items() if v}
     if rank == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "shard.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        metrics.save_json("shard.json", out)
 
 
 if __name__ == "__main__":

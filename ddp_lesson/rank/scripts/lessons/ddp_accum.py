@@ -135,7 +135,7 @@ def main():
         if rank == 0:  # DDP: one rank prints
             print(f"  test accuracy {test_acc:.1%} ({epoch_s:.1f} s)", flush=True)
 
-    ckpt = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "model.pt")
+    ckpt = metrics.checkpoint_path()
     if rank == 0:  # DDP: one writer; save the inner model, without the "module." prefix
         torch.save(model.module.state_dict(), ckpt)
     dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it

@@ -19,8 +19,6 @@ same run. Rank 0 writes scratch.json to the run dir.
 import argparse
 import copy
 import importlib.util
-import json
-import os
 import time
 
 import torch
@@ -28,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data, models
+from ddp_lesson import data, metrics, models
 
 
 def broadcast_parameters(model):
@@ -277,8 +275,7 @@ def main():
             v["ms_per_step"] = time_stage(stage, base, batches[:a.time_steps], bucket_bytes, impl)
         out["stages"][stage] = v
     if rank == 0:
-        with open(os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), a.out), "w") as f:
-            json.dump(out, f, indent=1)
+        metrics.save_json(a.out, out)
     dist.destroy_process_group()
 
 

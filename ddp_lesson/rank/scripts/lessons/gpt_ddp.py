@@ -396,7 +396,7 @@ def fsdp_check(args, train_set, accum, device, rank):
             weights[variant] = state
         del model, opt
     if rank == 0:
-        torch.save(weights, os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "fsdp_check.pt"))
+        torch.save(weights, metrics.run_dir() / "fsdp_check.pt")
     dist.barrier()  # DDP: nobody reads the file before rank 0 has written it
 
 
@@ -525,7 +525,7 @@ def main():
                     print(f"step {step}: loss {(sums[0] / sums[1]).item():.3f} val {val_loss:.3f} "
                           f"{tokens / step_s:,.0f} tok/s/rank", flush=True)
             if step in save_at:
-                path = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), f"ckpt_{step}.pt")
+                path = metrics.run_dir() / f"ckpt_{step}.pt"
                 if rank == 0:  # DDP: one writer; the inner model, without the "module." prefix
                     torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
                                 "scaler": scaler.state_dict(), "step": step, "args": vars(args)}, path)

@@ -115,9 +115,7 @@ def main():
                     total=int(total), test_accuracy_padded=accuracy_padded, padded_total=padded.total_size)
         print(f"test accuracy {correct / total:.4f} ({int(correct)}/{int(total)}); "
               f"padded way {accuracy_padded:.4f} over {padded.total_size}", flush=True)
-        run_dir = os.environ.get("DDP_LESSON_RUN_DIR")  # the run's folder, set by the course's launcher
-        if run_dir:  # so the notebook can check the accuracy in one process
-            torch.save(model.module.state_dict(), os.path.join(run_dir, "model.pt"))
+        torch.save(model.module.state_dict(), metrics.checkpoint_path())  # the notebook checks it in one process
     dist.destroy_process_group()  # DDP
 
 

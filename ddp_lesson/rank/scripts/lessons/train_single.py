@@ -4,7 +4,6 @@
 Notebook 03 shows the diff from this script to ddp_basic.py: those lines are DDP.
 """
 import argparse
-import os
 import time
 
 import torch
@@ -77,7 +76,7 @@ def main():
         metrics.log(step, test_accuracy=test_acc, test_samples=test_samples, epoch_s=epoch_s, epoch=epoch)
         print(f"  test accuracy {test_acc:.1%} ({epoch_s:.1f} s)", flush=True)
 
-    ckpt = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "model.pt")
+    ckpt = metrics.checkpoint_path()
     torch.save(model.state_dict(), ckpt)
     state = torch.load(ckpt, map_location=device, weights_only=True)
     plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)

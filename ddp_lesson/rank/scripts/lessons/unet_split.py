@@ -13,8 +13,6 @@ Writes unet_split.json (rank 0, with every rank's figures).
 notebook 07 runs `hang --mode sleep` after it: the run its section 2 stops by force.
 """
 import argparse
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -24,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, random_split
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import chain, data, models
+from ddp_lesson import chain, data, metrics, models
 
 SAMPLES, STEPS = 120, 3
 TRAIN = int(0.85 * SAMPLES)  # that script's 85 / 15 split
@@ -97,9 +95,7 @@ def run(args, device):
                 for a in range(world) for b in range(world) if a != b)
             result[f"{kind}_same_split"] = all(s[kind]["valid"] == splits[0][kind]["valid"] for s in splits)
         result.update(world_size=world, steps=STEPS)
-        path = os.path.join(os.environ.get("DDP_LESSON_RUN_DIR", "."), "unet_split.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        metrics.save_json("unet_split.json", result)
 
 
 if __name__ == "__main__":
