@@ -269,3 +269,18 @@ def test_cuda_index_checker_tests_the_order_the_prompt_states():
     assert exercises.check_cuda_index(_cuda_index)
     with pytest.raises(AssertionError, match="0,9,0"):
         exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, repeats_first=False))
+
+
+def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
+    import torch
+    def rule(batch, n):
+        size = -(-batch // n)
+        return [min(size, batch - start) for start in range(0, batch, size)]
+    assert exercises.check_dp_chunk_sizes(rule)
+    for planted in (lambda b, n: [len(c) for c in torch.empty(b).chunk(n)],      # asks torch instead
+                    lambda b, n: [len(c) for c in torch.chunk(torch.empty(b), n)],
+                    lambda b, n: [len(c) for c in torch.empty(b).tensor_split(n)],  # as even as possible
+                    lambda b, n: [b // n + (i < b % n) for i in range(n) if b // n + (i < b % n)]):
+        with pytest.raises(AssertionError):
+            exercises.check_dp_chunk_sizes(planted)
+    assert [len(c) for c in torch.empty(6).chunk(4)] == [2, 2, 2]               # torch is itself again
