@@ -154,7 +154,8 @@ def timing(steps, nproc=2, warmup=10):
           f"(no timer) and B (StepTimer), taken in turn in one launch", flush=True)
     base = tempfile.mkdtemp(prefix="timing-bench-")
     try:
-        run = launch.start(Path(__file__), nproc=nproc, args=["--timing-worker", str(steps), str(warmup)],
+        gpus = [g.index for g in devices.list_gpus()][:nproc] or None   # GPUs by id: one GPU is not a default
+        run = launch.start(Path(__file__), nproc=nproc, gpus=gpus, args=["--timing-worker", str(steps), str(warmup)],
                            run_dir=Path(base) / "run", env={"OMP_NUM_THREADS": 1}, timeout=900)
         result = run.wait()
         if result["status"] != "ok":

@@ -21,7 +21,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _device_args(p):
-    p.add_argument("--nproc", help="processes (ranks) on this node; default: one per GPU, or 2 CPU processes")
+    p.add_argument("--nproc", help="processes (ranks) on this node; default: one per GPU with two or more GPUs, else 2 CPU processes")
     p.add_argument("--gpus", help="physical GPU ids to use, e.g. 0,1 (one rank each)")
     p.add_argument("--cpu", action="store_true", help="CPU processes on gloo even where GPUs exist")
     p.add_argument("--run-dir", help="a new folder for this run (default: runs/<time>-<script>)")

@@ -130,7 +130,9 @@ def test_cuda_visible_devices_of_the_caller_narrows_the_gpus(tmp_path, monkeypat
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", setting)
     assert [g.index for g in devices.list_gpus()] == expected
     if expected:
-        assert plan().env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, expected))
+        default = plan().env["CUDA_VISIBLE_DEVICES"]          # one visible GPU: CPU ranks by default
+        assert default == ("" if len(expected) == 1 else ",".join(map(str, expected)))
+        assert plan(gpus=expected).env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, expected))
         with pytest.raises(BadInput, match="does not exist"):
             plan(gpus=[2])
 
@@ -210,3 +212,61 @@ def test_config_devices_is_always_a_list(tmp_path):
     assert spec.gpus(cpu) == [] and spec.gpus(gpu) == [2, 0]
     assert spec.gpus({"devices": "cpu"}) == [] and spec.gpus({}) == [] and spec.gpus(None) == []  # older runs
     assert devices.describe(2, spec.gpus(gpu), "nccl") == "2 rank(s) on GPU(s) 2,0 with nccl"
+
+
+# -- no device choice given: one policy (devices.default_gpus) for every entry point --------
+def _one_fake_gpu(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("""#!/bin/sh
+case "$1" in
+  --query-gpu=*) printf '0, Fake RTX 4090, 24564, 5, GPU-one\\n' ;;
+esac
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@pytest.mark.parametrize("n_gpus, expected", [(0, []), (1, []), (2, [0, 1]), (3, [0, 1, 2])])
+def test_default_gpus_policy(n_gpus, expected):
+    assert devices.default_gpus(GPUS[:n_gpus]) == expected
+
+
+@pytest.mark.parametrize("nproc_env", [None, "3"])
+def test_one_gpu_machine_every_entry_point_defaults_to_cpu_ranks(tmp_path, monkeypatch, nproc_env):
+    """A fake one-GPU machine: the picker, `%ranks start`, the command line and plan() with
+    nothing asked all give default_cpu_nproc() CPU ranks on gloo; asking for GPU 0 uses it."""
+    _one_fake_gpu(tmp_path, monkeypatch)
+    monkeypatch.setattr(devices, "cpu_count", lambda: 8)
+    if nproc_env:
+        monkeypatch.setenv("DDP_LESSON_NPROC", nproc_env)
+    else:
+        monkeypatch.delenv("DDP_LESSON_NPROC", raising=False)
+    assert [g.index for g in devices.list_gpus()] == [0]
+    want = devices.default_cpu_nproc()
+    assert want == int(nproc_env or 2)
+
+    from ddp_lesson.__main__ import build_parser
+    from ddp_lesson.notebook import magics
+    from ddp_lesson.notebook.widgets import DevicePicker
+
+    got = {"plan()": plan()}
+    a = build_parser().parse_args(["run", "train.py"])                     # python -m ddp_lesson run train.py
+    got["command line"] = devices.Request(a.nproc, a.gpus, a.cpu).plan()
+    asked = {}
+
+    def fake_start(**kwargs):                                             # what `%ranks start` asks the world for
+        asked.update(kwargs)
+        raise ValueError("not started in this test")
+
+    monkeypatch.setattr(magics.world_mod, "start", fake_start)
+    with pytest.raises(Exception, match="not started in this test"):
+        magics.RanksMagics(shell=None)._command(["start"])
+    asked.pop("timeout")
+    got["%ranks start"] = devices.Request(**asked).plan()
+    got["picker"] = devices.Request(**DevicePicker().selection()).plan()  # what the run panel launches
+    for where, p in got.items():
+        assert (p.nproc, p.gpus, p.backend) == (want, [], "gloo"), (where, p)
+    assert plan(gpus="0").gpus == [0] and plan(gpus="0").backend == "nccl"   # asked for: the GPU
+    b = build_parser().parse_args(["run", "train.py", "--gpus", "0"])
+    assert devices.Request(b.nproc, b.gpus, b.cpu).plan().gpus == [0]

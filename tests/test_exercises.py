@@ -232,3 +232,55 @@ def test_pure_checkers_accept_a_solution_and_reject_the_classic_mistake():
                                          crashed, {"status": "timeout"})
     with pytest.raises(AssertionError, match="root cause is rank 1"):
         exercises.check_first_failure(lambda r: (0, "rank 0 failed"), crashed, {"status": "timeout"})
+
+
+def _cuda_index(physical, visible, repeats_first=True):
+    """00's exercise D: torch's reading of CUDA_VISIBLE_DEVICES on an 8-GPU server (the
+    notebook's solution); repeats_first=False plants the answer that cuts the list at the
+    first GPU the server lacks before it looks for a repeated id."""
+    import re
+    ids = []
+    for part in visible.split(","):
+        number = re.match(r"\+?\d+", part.strip())
+        if number is None:
+            break
+        ids.append(int(number.group()))
+    cut = next((i for i, x in enumerate(ids) if x >= 8), len(ids))
+    if len(set(ids if repeats_first else ids[:cut])) != len(ids if repeats_first else ids[:cut]):
+        raise ValueError("a repeated id hides every GPU")
+    ids = ids[:cut]
+    if physical not in ids:
+        raise ValueError(f"GPU {physical} is not visible")
+    return ids.index(physical)
+
+
+def test_cuda_index_checker_tests_the_order_the_prompt_states():
+    # 00's prompt: torch looks for repeats before it cuts the list, so "0,9,0" hides every
+    # GPU while "0,x,0" shows GPU 0; the checker must hold an answer to both
+    from ddp_lesson import diagrams
+    for visible in ("0,9,0", "0,x,0", "1,9,1", "0,9,1", "2,3,2"):
+        want = diagrams.visible_ids(visible, 8)           # torch's parser (tests/test_diagrams_processes.py)
+        for physical in range(8):
+            try:
+                got = _cuda_index(physical, visible)
+            except ValueError:
+                got = None
+            assert got == (want.index(physical) if physical in want else None), (visible, physical)
+    assert exercises.check_cuda_index(_cuda_index)
+    with pytest.raises(AssertionError, match="0,9,0"):
+        exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, repeats_first=False))
+
+
+def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
+    import torch
+    def rule(batch, n):
+        size = -(-batch // n)
+        return [min(size, batch - start) for start in range(0, batch, size)]
+    assert exercises.check_dp_chunk_sizes(rule)
+    for planted in (lambda b, n: [len(c) for c in torch.empty(b).chunk(n)],      # asks torch instead
+                    lambda b, n: [len(c) for c in torch.chunk(torch.empty(b), n)],
+                    lambda b, n: [len(c) for c in torch.empty(b).tensor_split(n)],  # as even as possible
+                    lambda b, n: [b // n + (i < b % n) for i in range(n) if b // n + (i < b % n)]):
+        with pytest.raises(AssertionError):
+            exercises.check_dp_chunk_sizes(planted)
+    assert [len(c) for c in torch.empty(6).chunk(4)] == [2, 2, 2]               # torch is itself again

@@ -109,6 +109,15 @@ def test_first_run_shows_the_averaging_and_no_ddp_yet():
     assert len(load_script(FIRST_RUN).make_data()[0]) % math.lcm(*range(1, 9)) == 0  # even shards, 1-8 ranks
 
 
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_where_this_comes_from_is_a_fold(name):
+    # the torch source table stays, folded: a learner on the lesson path skips it
+    folds = [source(c) for c in cells(name) if c["cell_type"] == "markdown"
+             and source(c).startswith("<details><summary>Where this comes from: ")]
+    assert len(folds) == 1 and "| statement | file | function |" in folds[0] and "torch 2." in folds[0]
+    assert not any(source(c).startswith("## Where this comes from") for c in cells(name))
+
+
 def test_00_fast_path_first_and_no_ddp_before_03():
     c = cells("00_start_here.ipynb")
     top = source(c[0])
@@ -119,7 +128,8 @@ def test_00_fast_path_first_and_no_ddp_before_03():
     assert sum("RunPanel(" in t for t in code) == 1                         # one launch from a panel
     assert not any(use in t for t in code for use in ("DistributedDataParallel(", "DDP(", "DistributedSampler("))
     headings = [source(x).split("\n")[0] for x in c if x["cell_type"] == "markdown"]
-    assert "## Credits" in headings and "## Where this comes from" in headings
+    assert "## Credits" in headings
+    assert any(h.startswith("<details><summary>Where this comes from: ") for h in headings)   # a fold a learner skips
     assert not any("Where the course comes from" in h for h in headings)
 
 

@@ -85,6 +85,17 @@ def test_one_gpu_starts_on_cpu_processes_and_says_why(monkeypatch):
     assert DevicePicker(gpus=[GPU(0, "A", 1, 0), GPU(1, "A", 1, 0)]).selection() == {"gpus": [0, 1]}
 
 
+@pytest.mark.parametrize("n_gpus", [1, 2, 3])
+def test_picker_default_follows_the_one_device_policy(n_gpus, monkeypatch):
+    """The picker starts on CPU processes exactly where devices.default_gpus gives none, the
+    policy plan(), `%ranks start` and the command line share (tests/test_devices.py)."""
+    monkeypatch.delenv("DDP_LESSON_NPROC", raising=False)
+    gpus = [GPU(i, "A", 1, 0) for i in range(n_gpus)]
+    sel = DevicePicker(gpus=gpus).selection()
+    assert ("cpu" in sel) == (widgets.devices.default_gpus(gpus) == [])
+    assert widgets.devices.Request(**sel).plan(available=gpus).gpus == widgets.devices.default_gpus(gpus)
+
+
 def test_all_busy_gpus_start_ticked():
     gpus = [GPU(i, "T4", 15360, 9000, processes=[(1, 9000)]) for i in range(2)]
     assert DevicePicker(gpus=gpus).selection() == {"gpus": [0, 1]}

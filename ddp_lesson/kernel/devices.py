@@ -109,6 +109,15 @@ def default_cpu_nproc():
     return checks.number("DDP_LESSON_NPROC", value, 1)
 
 
+def default_gpus(found):
+    """The GPUs a run gets when it names none and does not ask for CPU ranks: every GPU found
+    when there are two or more. With one GPU, or none, the answer is [] and the run gets
+    default_cpu_nproc() CPU ranks, so that a learner sees several ranks. One GPU is used
+    only when asked for by id: --gpus 0, or unticking "use CPU processes" in the picker.
+    The one policy that the picker, %ranks start, the command line and plan() share."""
+    return [g.index for g in found] if len(found) >= 2 else []
+
+
 def backend_for(use_gpus):
     """nccl for GPU ranks (not on Windows, where NCCL does not exist), gloo otherwise."""
     return "nccl" if use_gpus and sys.platform.startswith("linux") else "gloo"
@@ -154,7 +163,7 @@ def _as_ids(gpus):
 class Request:
     """The devices a launch asks for, checked for shape when built (BadInput, one sentence):
     `nproc` ranks (None: the default), the physical GPU ids `gpus` (a list or "0,1"; None:
-    every GPU, or CPU ranks where there are none), or CPU ranks on gloo with cpu=True. Held as
+    default_gpus(), that is every GPU where there are two or more, else CPU ranks), or CPU ranks on gloo with cpu=True. Held as
     nproc: int or None, gpus: a tuple or None (None with cpu=True), cpu: bool. plan() checks it
     against this machine."""
     nproc: object = None
@@ -187,11 +196,12 @@ class Request:
                 what = f"GPUs {sorted(have)}" if have else "no NVIDIA GPU"
                 raise BadInput(f"GPU {','.join(map(str, missing))} does not exist: this machine has {what}.")
             return _gpu_plan(list(self.gpus))
-        if found and not self.cpu:
-            if self.nproc is not None and self.nproc > len(found):
-                raise BadInput(f"This machine has {len(found)} GPU(s); ask for at most {len(found)} "
+        ids = [] if self.cpu else default_gpus(found)
+        if ids:
+            if self.nproc is not None and self.nproc > len(ids):
+                raise BadInput(f"This machine has {len(ids)} GPU(s); ask for at most {len(ids)} "
                                f"processes, or use CPU processes (--cpu).")
-            return _gpu_plan([g.index for g in found][: self.nproc or len(found)])
+            return _gpu_plan(ids[: self.nproc or len(ids)])
         n = checks.cpu_ranks(self.nproc or default_cpu_nproc(), cpu_count())
         threads = max(1, cpu_count() // n)
         return Plan(n, [], "gloo", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)})
@@ -200,7 +210,7 @@ class Request:
 def plan(nproc=None, gpus=None, cpu=False, available=None):
     """Turn a request into a Plan, or raise BadInput with one sentence (see Request).
 
-    gpus: None (all GPUs, or CPU ranks when there are none), a list of physical ids or
+    gpus: None (default_gpus(): all GPUs where there are two or more, else CPU ranks), a list of physical ids or
     "0,1"; cpu=True forces CPU ranks on gloo even where GPUs exist."""
     return Request(nproc, gpus, cpu).plan(available)
 

@@ -162,14 +162,16 @@ def check_cuda_index(fn):
     """00: fn(physical, cuda_visible_devices) is the cuda:N index of a physical GPU under that
     CUDA_VISIBLE_DEVICES, as torch reads it, or raises ValueError where the GPU is hidden."""
     cases = [(2, "2,3", 0), (3, "2,3", 1), (3, "3,2", 0), (0, "0", 0), (6, "1, 4,6", 2), (4, "1, 4,6", 1),
-             (0, "7,0", 1), (0, "0,9,1", 0), (2, "2gpu,3", 0), (3, "2gpu,3", 1)]
+             (0, "7,0", 1), (0, "0,9,1", 0), (2, "2gpu,3", 0), (3, "2gpu,3", 1), (0, "0,x,0", 0)]
     for physical, visible, want in cases:
         try:
             got = fn(physical, visible)
         except ValueError as e:
             got = f"ValueError({e})"
         assert got == want, f"GPU {physical} with CUDA_VISIBLE_DEVICES={visible!r} is cuda:{want}, you said {got}"
-    for physical, visible in [(0, "2,3"), (1, ""), (1, "0,9,1"), (1, "0,-1,1"), (1, "1,1"), (2, "2,3,2")]:
+    # "0,9,0": torch looks for a repeat before it cuts the list at 9, a GPU the server lacks
+    for physical, visible in [(0, "2,3"), (1, ""), (1, "0,9,1"), (1, "0,-1,1"), (1, "1,1"), (2, "2,3,2"),
+                              (0, "0,9,0")]:
         try:
             fn(physical, visible)
         except ValueError:
@@ -178,15 +180,31 @@ def check_cuda_index(fn):
     return True
 
 
+_SPLITTERS = ("chunk", "tensor_split", "split", "unsafe_chunk", "unsafe_split")
+
+
 def check_dp_chunk_sizes(fn):
-    """01: fn(batch, n_devices) is the list of chunk sizes DataParallel's scatter makes."""
+    """01: fn(batch, n_devices) is the list of chunk sizes DataParallel's scatter makes, found
+    by a rule of the learner's own: torch's chunk and split functions raise while fn runs."""
     import torch
-    for batch in range(1, 40):
-        for n in range(1, 9):
-            want = [len(c) for c in torch.empty(batch).chunk(n)]
+    wants = {(batch, n): [len(c) for c in torch.empty(batch).chunk(n)]
+             for batch in range(1, 40) for n in range(1, 9)}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("write the rule yourself, without calling torch's chunk or split")
+
+    saved = [(owner, name, getattr(owner, name)) for owner in (torch, torch.Tensor)
+             for name in _SPLITTERS if hasattr(owner, name)]
+    try:
+        for owner, name, _ in saved:
+            setattr(owner, name, refuse)
+        for (batch, n), want in wants.items():
             got = fn(batch, n)
             assert got is not None and list(got) == want, \
                 f"batch {batch} on {n} devices: DP makes {want}, you said {got}"
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
     return True
 
 

@@ -73,8 +73,9 @@ class DevicePicker:
             self.use_cpu.observe(self._toggle_cpu, "value")
             children = [W.HTML("<b>GPUs</b> (one process each, <b>nccl</b>)"), *self.boxes,
                         self.use_cpu, self.cpu_row]
-            if len(self.gpus) == 1:
-                # One GPU is one rank: nothing to compare across ranks. Start on CPU processes.
+            if not devices.default_gpus(self.gpus):
+                # One GPU is one rank: nothing to compare across ranks. Start on CPU processes,
+                # as every run that names no device does (devices.default_gpus).
                 self.use_cpu.value = True
                 children.append(W.HTML(
                     f"One GPU: {self.nproc.value} CPU processes by default, so you see "
