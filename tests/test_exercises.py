@@ -1,5 +1,6 @@
 """The exercise checkers of 03-05 (ddp_lesson.exercises), on hand-made run directories for
-the ways a learner can get it wrong. The notebooks run each checker on real runs, at 2 and
+the ways a learner can get it wrong, and one real 2-rank launch of ex_syncbn.py: an answer that
+rebuilds the other ranks' x without communicating must fail. The notebooks run each checker on real runs, at 2 and
 (in CI) 3 ranks: on the starter and the solution (03 cell 03-ex5, 04 cell 04-ex5, at 2 ranks or more), and 05's on
 the placements run, whose strip cell (05-strip2) also asserts that no_sync around backward
 alone still all-reduces every micro-batch (a real-run test of that here would repeat it).
