@@ -1,5 +1,6 @@
 """The exercise checkers of 03-05 (ddp_lesson.exercises), on hand-made run directories for
-the ways a learner can get it wrong. The notebooks run each checker on real runs, at 2 and
+the ways a learner can get it wrong, and one real 2-rank launch of ex_syncbn.py: an answer that
+rebuilds the other ranks' x without communicating must fail. The notebooks run each checker on real runs, at 2 and
 (in CI) 3 ranks: on the starter and the solution (03 cell 03-ex5, 04 cell 04-ex5, at 2 ranks or more), and 05's on
 the placements run, whose strip cell (05-strip2) also asserts that no_sync around backward
 alone still all-reduces every micro-batch (a real-run test of that here would repeat it).
@@ -51,16 +52,19 @@ def test_set_epoch(tmp_path):
         exercises.check_set_epoch(failed)
 
 
-def bn_run(path, answer, world=3):
-    """ex_syncbn.py's two rows per rank: its x (rank r holds 3 + r samples, the ranks' means
-    apart), then the mean and var that answer(xs, rank) gives it."""
+def bn_run(path, answer, world=3, hw=2, shifts=None):
+    """ex_syncbn.py's two rows per rank: its x (rank r holds 3 + r samples of hw x hw values
+    per channel, the ranks' means apart; plus shifts[r], the shift only rank r knows, where
+    given), then the mean and var that answer(xs, rank) gives it. An answer reads the xs it
+    is given: pass it the shifted ones, or the ones without the other ranks' shifts."""
     import torch
     g = torch.Generator().manual_seed(0)
-    xs = [torch.randn(3 + r, 2, 2, 2, generator=g, dtype=torch.float64) + 0.5 * r for r in range(world)]
+    xs = [torch.randn(3 + r, 2, hw, hw, generator=g, dtype=torch.float64) + 0.5 * r for r in range(world)]
+    logged = [x + (shifts[r] if shifts else 0) for r, x in enumerate(xs)]
     rows = []
     for r in range(world):
-        mean, var = answer(xs, r)
-        rows += [{"rank": r, "step": 0, "x": xs[r].tolist()},
+        mean, var = answer(logged if shifts is None else (xs, logged), r)
+        rows += [{"rank": r, "step": 0, "x": logged[r].tolist()},
                  {"rank": r, "step": 1, "mean": mean.tolist(), "var": var.tolist()}]
     return fake_run(path, world, rows)
 
@@ -83,7 +87,7 @@ def test_global_bn(tmp_path):
     with pytest.raises(AssertionError, match="unweighted average of the ranks' means"):
         exercises.check_global_bn(bn_run(tmp_path / "avg_both", avg_both))
     unbiased = lambda xs, r: (torch.cat(xs).mean(dims), torch.cat(xs).var(dims))
-    with pytest.raises(AssertionError, match="the variance is off"):
+    with pytest.raises(AssertionError, match=r"the unbiased variance \(n - 1\)"):
         exercises.check_global_bn(bn_run(tmp_path / "unbiased", unbiased))
     rank0 = lambda xs, r: own(xs[0])                                  # a broadcast of rank 0's
     with pytest.raises(AssertionError, match="the mean is off"):
@@ -95,6 +99,58 @@ def test_global_bn(tmp_path):
     alone = bn_run(tmp_path / "alone", right, world=1)
     with pytest.raises(AssertionError, match="run it on 2 or more"):
         exercises.check_global_bn(alone)
+
+
+@pytest.mark.parametrize("world", [2, 7, 8])
+def test_global_bn_rejects_the_unbiased_variance_at_any_world_size(tmp_path, world):
+    # ex_syncbn.py's sizes: 16 x 16 values per channel, 3 + r images on rank r. The unbiased
+    # variance is off by 1/(n - 1): 9.3e-5 at 7 ranks, 7.5e-5 at 8, under a tolerance of 1e-4
+    import torch
+    dims = (0, 2, 3)
+    unbiased = lambda xs, r: (torch.cat(xs).mean(dims), torch.cat(xs).var(dims))
+    with pytest.raises(AssertionError, match=r"the unbiased variance \(n - 1\)"):
+        exercises.check_global_bn(bn_run(tmp_path / "unbiased", unbiased, world=world, hw=16))
+    # ... while a float32 answer by sums, about 1e-7 off, passes
+    by_sums32 = lambda xs, r: (lambda x: (x.mean(dims), (x * x).mean(dims) - x.mean(dims) ** 2))(torch.cat(xs).float())
+    assert exercises.check_global_bn(bn_run(tmp_path / "sums32", by_sums32, world=world, hw=16))
+
+
+def test_global_bn_rejects_an_answer_that_rebuilds_the_other_ranks_x(tmp_path):
+    # every rank can rebuild every other rank's x from the data's seed and the seeded conv,
+    # but not the shift each rank adds from os.urandom: an answer without communication
+    # has its own shift only, and is off by the others'
+    import torch
+    dims = (0, 2, 3)
+    g = torch.Generator().manual_seed(1)
+    shifts = [0.1 * torch.randn(2, 1, 1, generator=g, dtype=torch.float64) for _ in range(3)]
+    rebuilt = lambda both, r: (lambda x: (x.mean(dims), x.var(dims, unbiased=False)))(
+        torch.cat([both[1][q] if q == r else both[0][q] for q in range(3)]))
+    with pytest.raises(AssertionError, match="the mean is off"):
+        exercises.check_global_bn(bn_run(tmp_path / "rebuilt", rebuilt, shifts=shifts))
+    communicated = lambda both, r: (lambda x: (x.mean(dims), x.var(dims, unbiased=False)))(torch.cat(both[1]))
+    assert exercises.check_global_bn(bn_run(tmp_path / "communicated", communicated, shifts=shifts))
+
+
+
+def test_ex_syncbn_rebuilding_the_other_ranks_x_fails_on_a_real_run(tmp_path):
+    # the launched exercise, 2 ranks: an answer that rebuilds every rank's x from the same data
+    # and conv, with no collective, misses the other ranks' secret shifts; the solution passes
+    from ddp_lesson.bundled import script
+    starter = script("ex_syncbn.py").read_text()
+    lines = "    mean = x.mean(dim=(0, 2, 3))\n    var = x.var(dim=(0, 2, 3), unbiased=False)\n"
+    assert lines in starter
+    rebuild = (
+        "    with torch.no_grad():\n"
+        "        parts = [x if q == rank else conv(images[q::world_size][:3 + q]) for q in range(world_size)]\n"
+        "    whole = torch.cat(parts)\n"
+        "    mean = whole.mean(dim=(0, 2, 3))\n"
+        "    var = whole.var(dim=(0, 2, 3), unbiased=False)\n")
+    path = tmp_path / "ex_syncbn_rebuilt.py"
+    path.write_text(starter.replace(lines, rebuild))
+    run_dir, passed = exercises.attempt(path, exercises.check_global_bn, nproc=2)
+    assert not passed
+    with pytest.raises(AssertionError, match="the mean is off"):
+        exercises.check_global_bn(run_dir)
 
 
 RIGHT = {"backward only": [1, 2, 3, 4], "forward only": [4], "both": [4], "last only": [1, 2, 3]}
@@ -187,7 +243,7 @@ def test_too_small_by_is_checked_at_two_scales(answer, right):
     ("never scale down", lambda b, w, bb, lr: (b * w, lr * max(1, b * w / bb))),   # k = 0.5 becomes 1
     ("square-root rule", lambda b, w, bb, lr: (b * w, lr * (b * w / bb) ** 0.5)),
     ("per-device batch as the global one", lambda b, w, bb, lr: (b, lr * b * w / bb)),
-    ("the paper example hard-coded", lambda b, w, bb, lr: (384, 1.2)),
+    ("the notebook's own example hard-coded", lambda b, w, bb, lr: (384, 1.2)),
 ])
 def test_scaled_checker_rejects_planted_wrong_answers(name, wrong):
     # 03b's exercise: its hidden solution cell proves the checker accepts the solution and
@@ -207,6 +263,30 @@ def test_grade_prints_the_verdict_and_returns_it(capsys):
     assert "an epoch does not go as far" in capsys.readouterr().out
     assert exercises.grade(lambda: "what it saw")
     assert capsys.readouterr().out == "correct! what it saw\n"
+
+
+def test_grade_says_not_yet_for_any_exception_of_the_learners_function(capsys):
+    # a detached loss raises RuntimeError inside autograd, a typo NameError: a verdict that
+    # names the error, not a traceback
+    def detached(b, w, bb, lr):
+        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+    assert not exercises.grade(exercises.check_scaled, detached)
+    assert capsys.readouterr().out == ("not yet: RuntimeError: element 0 of tensors does not require "
+                                       "grad and does not have a grad_fn\n")
+    assert not exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: undefined_name)  # noqa: F821
+    assert capsys.readouterr().out.startswith("not yet: NameError: ")
+    with pytest.raises(KeyboardInterrupt):     # an interrupt still stops the cell
+        exercises.grade(exercises.check_scaled, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+
+def test_no_sync_prediction_of_the_wrong_kind_is_not_yet(tmp_path, capsys):
+    ok = fake_run(tmp_path / "ok", 2, placement_rows(2, RIGHT))
+    for wrong in (4, "4", [4.0]):              # 4 instead of [4]
+        predicted = {**RIGHT, "forward only": wrong}
+        with pytest.raises(AssertionError, match=r"forward only: say the micro-batches as a list"):
+            exercises.check_no_sync(ok, predicted)
+        assert not exercises.grade(exercises.check_no_sync, ok, predicted)
+        assert capsys.readouterr().out.startswith("not yet: forward only: say the micro-batches")
 
 
 def test_pure_checkers_accept_a_solution_and_reject_the_classic_mistake():
