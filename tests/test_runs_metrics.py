@@ -9,7 +9,7 @@
 - `failures.root_cause` picks the first failing rank, not the ranks torn down after it,
   both when ranks raised (error files) and when one was killed by a signal (torchrun's
   summary), and `describe` explains -9 as memory;
-- a script using ddp_lesson.metrics and ddp_lesson.dist also runs under plain
+- a script using ddp_lesson.metrics also runs under plain
   `python -m torch.distributed.run` without the launcher, writing nothing.
 """
 import json
@@ -212,13 +212,13 @@ def test_explanations():
 
 @pytest.mark.timeout(120)
 def test_script_runs_under_plain_torchrun(tmp_path):
-    """ddp_lesson.metrics/dist are optional plumbing: a plain torchrun run works and
+    """ddp_lesson.metrics is optional plumbing: a plain torchrun run works and
     writes no run directory."""
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", str(SCRIPTS / "contract.py"), "--steps", "2"],
                        env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "world size 2" in p.stdout and p.stdout.count("world size") == 1  # print0
+    assert "world size 2" in p.stdout and p.stdout.count("world size") == 1  # rank 0 only
     # two processes share one pipe: a rank's line can land in the middle of another's
     envs = [json.loads(m) for m in re.findall(r"env (\{[^{}]*\})", p.stdout)]
     assert sorted(e["RANK"] for e in envs) == ["0", "1"]
