@@ -62,8 +62,15 @@ def base_env():
     this package importable and output unbuffered (a rank's print reaches its log at once)."""
     env = clean_env(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = python_path(os.environ.get("PYTHONPATH"))
     return env
+
+
+def python_path(value):
+    """A PYTHONPATH for a run's processes: this package's parent first (the ranks and the guard
+    import this copy of ddp_lesson), then `value`. A PYTHONPATH in a launch's env replaces the
+    kernel's, never the package's."""
+    return os.pathsep.join(p for p in (PACKAGE_PARENT, value) if p)
 
 
 # Processes are spawned from one long-lived thread: a parent-death signal is tied to the
@@ -216,6 +223,8 @@ def run(spec, run_dir=None):
     script, nodes = spec.script, spec.nodes
     plan = spec.devices.plan()
     user_env = dict(spec.env)
+    if "PYTHONPATH" in user_env:
+        user_env["PYTHONPATH"] = python_path(user_env["PYTHONPATH"])
     server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, spec.cold, nodes.count)
     path = _prepare_run_dir(run_dir, script)
     shutil.copyfile(script, rundir.script(path))

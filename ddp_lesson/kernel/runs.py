@@ -113,6 +113,12 @@ class RunRecord:
         """The physical GPU ids the ranks had, [] for CPU ranks (spec.gpus reads config.json)."""
         return spec.gpus(self.config)
 
+    @property
+    def device_env(self):
+        """What the devices gave every rank's environment, from config.json: CUDA_VISIBLE_DEVICES,
+        OMP_NUM_THREADS (a CPU rank's threads), ... (the launch's own env is config["env"])."""
+        return spec.device_env(self.config)
+
     def series(self, key, rank=None, reduce=None):
         """[(step, value)] for one rank, or for all ranks reduced per step with `reduce`
         ("mean" or "sum"), or the rows logged with rank None by a reduced logger."""

@@ -25,6 +25,9 @@ LOGS = "logs"
 METRICS = "metrics"
 WORLD_KEY = "world.key"   # a live world's key: only its ranks can connect back to the kernel
 MODEL = "model.pt"   # a lesson script's rank 0 saves model.module.state_dict() here at the end
+# What the contract names in a run directory: a file a launch adds (spec.Spec's private_files) takes
+# another name, so that it can neither clobber these nor be clobbered by them.
+RESERVED = (CONFIG, SCRIPT, RESULT, LOGS, METRICS, MODEL)
 
 
 def config(run_dir):
