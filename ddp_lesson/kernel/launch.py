@@ -34,7 +34,7 @@ from .. import BadInput, __version__
 from . import checks, devices, failures, interrupts, stacks, warm
 from ..rank import guard, procs, rundir
 from ..rank.rundir import write_json
-from .runs import LogTail, MetricsTail, new_run_dir, tail_text
+from .runs import LogTail, MetricsTail, tail_text
 from .spec import Nodes, Spec, fields
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
@@ -191,7 +191,7 @@ def free_port(host="127.0.0.1"):
 
 
 def _prepare_run_dir(run_dir, script):
-    path = Path(run_dir) if run_dir else new_run_dir(name=Path(script).stem)
+    path = Path(run_dir) if run_dir else rundir.new_path(name=Path(script).stem)
     if path.exists() and not path.is_dir():
         raise BadInput(f"The run directory {path} is a file; give a folder that does not exist yet.")
     if path.is_dir() and any(path.iterdir()):
