@@ -17,8 +17,10 @@ relies on:
 - with `max_restarts=1` a run whose rank dies once resumes from its checkpoint and
   completes;
 - a launch is a spec.Spec: bad input in any of its fields is one sentence before anything
-  starts, whether start()'s keywords or a Spec carry it; config.json records a Spec whole
-  (Spec.from_config gives it back, pinned to the devices the run had).
+  starts, whether start()'s keywords or a Spec carry it (a private file's name included);
+  config.json records a Spec whole (Spec.of_run gives it back from the run directory, pinned
+  to the devices the run had);
+- a PYTHONPATH in a launch's env keeps this package first.
 
 Every test runs twice: warm (the default: agent and ranks forked from a warm process) and
 cold (DDP_LESSON_COLD=1: new interpreters, as a CLI torchrun), and checks that its launches
