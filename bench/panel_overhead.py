@@ -185,11 +185,12 @@ def redraw_ms(points=10_000, repeats=5):
     live = plots.LivePlot(("loss", "test_accuracy"))   # + the step-time bars
     live.add(rows)
     steps = runs.StepTimes(window=monitor.TIME_WINDOW).add(rows)
-    live.render("warm-up", times=steps)  # the first frame builds the figure
+    slow = steps.stragglers()           # the monitor's verdict, judged once per poll, not per frame
+    live.render("warm-up", times=steps, stragglers=slow)  # the first frame builds the figure
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        live.render("run: running", times=steps)
+        live.render("run: running", times=steps, stragglers=slow)
         times.append((time.perf_counter() - t) * 1000)
     return statistics.median(times), min(times)
 

@@ -7,12 +7,10 @@ supervises and reads back runs, notebook/ draws and teaches. A module's short na
 too (`from ddp_lesson import launch`, `from ddp_lesson.widgets import RunPanel`): it is the
 same module object as its folder's name (ddp_lesson.kernel.launch).
 """
-import os
 import sys
 
 __version__ = "0.1.0"
 WORLDS = ("rank", "kernel", "notebook")   # one folder each; a module's world is its folder
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class BadInput(ValueError):
@@ -25,31 +23,50 @@ def load_ipython_extension(ipython):
     register(ipython)
 
 
+# Each module's short name and its world: `ddp_lesson.launch` is `ddp_lesson.kernel.launch`. One
+# list, written out so that an import looks nothing up on disk; tests/test_worlds.py checks that it
+# equals the folders' modules.
+_SHORT = {
+    **dict.fromkeys(("bundled", "chain", "costmodel", "data", "forked_rank", "guard", "knobs", "metrics",
+                     "models", "procs", "rundir", "syncbn", "warm_server", "world_messages", "world_rank"),
+                    "rank"),
+    **dict.fromkeys(("checks", "devices", "doctor", "failures", "interrupts", "launch", "monitor",
+                     "multinode", "runs", "scaling", "slurm", "spec", "stacks", "warm", "world"), "kernel"),
+    **dict.fromkeys(("capstone", "diagrams", "exercises", "lesson", "magics", "plots", "simulate",
+                     "widgets"), "notebook"),
+}
+
+
 class _ShortNames:
-    """An import finder: `ddp_lesson.launch` (and `ddp_lesson.diagrams.shapes`) is imported
-    as `ddp_lesson.kernel.launch`, found by which world's folder holds it. The import system
-    hands back what exec_module left in sys.modules under the short name, the real module
-    itself: both names are one object, so a monkeypatch through either patches what runs."""
+    """An import finder and loader: `ddp_lesson.launch` (and `ddp_lesson.diagrams.shapes`) is
+    imported as `ddp_lesson.kernel.launch`. The import system hands back what exec_module left
+    in sys.modules under the short name, the real module itself: both names are one object, so
+    a monkeypatch through either patches what runs. The spec carries the real file (origin), and
+    get_code hands over the real module's code, so `python -m ddp_lesson.guard` (the command an
+    older run directory's config.json records) runs ddp_lesson/rank/guard.py as __main__."""
 
     def find_spec(self, name, path=None, target=None):
-        if self.real(name):
-            from importlib.machinery import ModuleSpec
-            return ModuleSpec(name, self)
-        return None
+        real = self.real(name)
+        if real is None:
+            return None
+        from importlib.machinery import ModuleSpec
+        from importlib.util import find_spec
+        found = find_spec(real)
+        if found is None:
+            return None
+        spec = ModuleSpec(name, self, origin=found.origin, is_package=found.submodule_search_locations is not None)
+        spec.has_location = found.has_location
+        if found.submodule_search_locations is not None:
+            spec.submodule_search_locations = list(found.submodule_search_locations)
+        return spec
 
     @staticmethod
     def real(name):
         """The module's real name, or None where `name` is no short name."""
-        if not name.startswith(__name__ + "."):
-            return None
         parts = name.split(".")
-        if parts[1] in WORLDS:
+        if parts[0] != __name__ or len(parts) < 2 or parts[1] not in _SHORT:
             return None
-        for world in WORLDS:
-            where = os.path.join(_HERE, world, parts[1])
-            if os.path.isfile(where + ".py") or os.path.isfile(os.path.join(where, "__init__.py")):
-                return ".".join([parts[0], world, *parts[1:]])
-        return None
+        return ".".join([parts[0], _SHORT[parts[1]], *parts[1:]])
 
     def create_module(self, spec):
         return None   # a placeholder module, replaced in exec_module
@@ -58,6 +75,19 @@ class _ShortNames:
         import importlib
         sys.modules[module.__name__] = importlib.import_module(self.real(module.__name__))
 
+    def get_code(self, name):
+        """What runpy runs for `python -m ddp_lesson.<short name>`: the real module's code."""
+        from importlib.util import find_spec
+        real = self.real(name)
+        return find_spec(real).loader.get_code(real)
 
+    def is_package(self, name):
+        from importlib.util import find_spec
+        return find_spec(self.real(name)).submodule_search_locations is not None
+
+
+# First in sys.meta_path, ahead of the file-system finder: a checkout upgraded by `git pull` from
+# the flat layout can keep a folder such as ddp_lesson/diagrams/ that holds only __pycache__, which
+# the file-system finder would import as an empty namespace package in place of the real module.
 if not any(type(f).__name__ == "_ShortNames" for f in sys.meta_path):
     sys.meta_path.insert(0, _ShortNames())

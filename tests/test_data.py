@@ -115,7 +115,7 @@ def test_reference_script_trains_on_cifar10_fixture(tmp_path):
         f"for k, v in {fixture_md5s(tmp_path / 'data')!r}.items():\n"
         "    setattr(torchvision.datasets.CIFAR10, k, v)\n")
     run = launch.start(SCRIPT, nproc=2, cpu=True, run_dir=tmp_path / "run",
-                       env={"PYTHONPATH": f"{site}:{Path(data.__file__).parents[1]}"},
+                       env={"PYTHONPATH": str(site)},   # the launcher puts the package first
                        args=["--epochs", "1", "--dataset", "cifar10", "--data-root", str(tmp_path / "data"),
                              "--batch-size", "8", "--train-samples", "80"])
     try:   # generous: at load ~17 on 2 cores this 2-rank run took over 100 s

@@ -4,7 +4,7 @@ runs in test_launch.py and test_cli.py."""
 import json
 import math
 
-from ddp_lesson import failures, metrics, runs, slurm, stacks
+from ddp_lesson import failures, metrics, rundir, runs, slurm, stacks
 from ddp_lesson import BadInput
 
 import pytest
@@ -14,10 +14,10 @@ def setup_logs(tmp_path, errors=(), agent=None):
     logs = tmp_path / "logs"
     logs.mkdir()
     for e in errors:
-        runs.write_json(logs / f"rank{e['rank']}.error.json",
+        rundir.write_json(logs / f"rank{e['rank']}.error.json",
                         {"traceback": f"Traceback ...\n{e['message']}\n", "restart": 0, **e})
     if agent is not None:
-        runs.write_json(logs / "agent.failures.json", agent)
+        rundir.write_json(logs / "agent.failures.json", agent)
     return tmp_path
 
 
@@ -88,10 +88,9 @@ def test_timeout_wording_follows_where_the_ranks_were():
 
 def test_non_finite_metrics_are_written_as_null(tmp_path, monkeypatch):
     monkeypatch.setenv("DDP_LESSON_RUN_DIR", str(tmp_path))
-    monkeypatch.setattr(metrics, "_file", None)
+    metrics.close()
     metrics.log(0, loss=math.nan, best=math.inf, acc=0.5)
-    metrics._file.close()
-    monkeypatch.setattr(metrics, "_file", None)
+    metrics.close()
     line = (tmp_path / "metrics" / "rank0.jsonl").read_text().strip()
     row = json.loads(line, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}"))
     assert row["loss"] is None and row["best"] is None and row["acc"] == 0.5
@@ -160,10 +159,10 @@ def test_a_taken_port_beats_the_interface_hint():
 def test_the_multi_node_interface_case_gets_its_hint_from_the_runs_config(tmp_path):
     run = setup_logs(tmp_path, errors=[{"rank": 1, "pid": 11, "time": 5.0, "message": UNREACHABLE}],
                      agent={"failures": [row(1, 11, 1)]})
-    runs.write_json(tmp_path / "config.json", {"nnodes": 2, "world_size": 2})
+    rundir.write_json(tmp_path / "config.json", {"nnodes": 2, "world_size": 2})
     f = failures.root_cause(run)
     assert f["nnodes"] == 2 and "GLOO_SOCKET_IFNAME" in failures.describe(f)
-    runs.write_json(tmp_path / "config.json", {"nnodes": 1, "world_size": 2})
+    rundir.write_json(tmp_path / "config.json", {"nnodes": 1, "world_size": 2})
     assert "GLOO_SOCKET_IFNAME" not in failures.describe(failures.root_cause(run))
 
 

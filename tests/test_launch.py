@@ -17,8 +17,10 @@ relies on:
 - with `max_restarts=1` a run whose rank dies once resumes from its checkpoint and
   completes;
 - a launch is a spec.Spec: bad input in any of its fields is one sentence before anything
-  starts, whether start()'s keywords or a Spec carry it; config.json records a Spec whole
-  (Spec.from_config gives it back, pinned to the devices the run had).
+  starts, whether start()'s keywords or a Spec carry it (a private file's name included);
+  config.json records a Spec whole (Spec.of_run gives it back from the run directory, pinned
+  to the devices the run had);
+- a PYTHONPATH in a launch's env keeps this package first.
 
 Every test runs twice: warm (the default: agent and ranks forked from a warm process) and
 cold (DDP_LESSON_COLD=1: new interpreters, as a CLI torchrun), and checks that its launches
@@ -188,14 +190,17 @@ def test_run_directory_contract(contract_run, launch_mode):
 
 # -- the spec: what a launch is (issue 33) ----------------------------------------------------
 
-def test_config_json_gives_the_spec_back(contract_run):
-    """The run was launch.start(contract.py, nproc=2, args=[...]): its config.json holds that
-    launch whole, pinned to the devices it got."""
+def test_the_run_directory_gives_the_spec_back(contract_run):
+    """The run was launch.start(contract.py, nproc=2, args=[...]): its run directory holds that
+    launch whole (the script that ran as script.py), pinned to the devices it got."""
     run = contract_run["run"]
     config = json.loads((run.run_dir / "config.json").read_text())
-    asked = launch.Spec(SCRIPTS / "contract.py", devices.plan(nproc=2).request(), args=run.config["args"])
-    assert launch.Spec.from_config(config) == asked
+    asked = launch.Spec(run.run_dir / "script.py", devices.plan(nproc=2).request(), args=run.config["args"],
+                        label="contract")
+    assert launch.Spec.of_run(run.run_dir) == asked
+    assert config["script"] == str(SCRIPTS / "contract.py")
     assert spec.gpus(config) == [] and config["device_env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert runs.load(run.run_dir).device_env == config["device_env"] and "OMP_NUM_THREADS" in config["device_env"]
 
 
 def test_every_field_of_a_spec_round_trips_through_config_json(tmp_path):
@@ -205,15 +210,32 @@ def test_every_field_of_a_spec_round_trips_through_config_json(tmp_path):
                        timeout=30, env={"A": 1, "B": "x"}, label="full",
                        nodes=spec.Nodes(2, 1, "10.0.0.1:29400", "job7"), private_files={"key": b"k"}, cold=True)
     assert full.args == ("--epochs", "2") and full.env == (("A", "1"), ("B", "x")) and full.timeout == 30.0
-    config = json.loads(json.dumps(spec.fields(full, full.devices.plan())))
-    back = launch.Spec.from_config(config)
-    assert back == replace(full, private_files={})   # secrets never go into config.json
+    plan = full.devices.plan()
+    config = json.loads(json.dumps(spec.fields(full, plan)))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "script.py").write_text("print('the copy that ran')\n")
+    (run_dir / "config.json").write_text(json.dumps(config))
+    back = launch.Spec.of_run(run_dir)
+    assert back == replace(full, script=run_dir / "script.py", private_files={})   # secrets never go into config.json
     assert "key" not in json.dumps(config) and "b'k'" not in repr(full)
     assert config["devices"] == [] and config["world_size"] == 6 and config["rdzv_id"] == "job7"
+    assert spec.device_env(config) == plan.env and "OMP_NUM_THREADS" in plan.env
     # an older run directory: devices "cpu", the devices' env mixed into env
-    old = {**config, "devices": "cpu", "env": {**config["env"], "CUDA_VISIBLE_DEVICES": ""}}
+    old = {**config, "devices": "cpu", "env": {**config["env"], **plan.env}}
     del old["device_env"]
-    assert launch.Spec.from_config(old) == back
+    (run_dir / "config.json").write_text(json.dumps(old))
+    assert launch.Spec.of_run(run_dir) == back
+    assert spec.device_env(old) == plan.env and runs.load(run_dir).device_env == plan.env
+
+
+def test_a_spec_holds_its_script_absolute(tmp_path, monkeypatch):
+    """Built in one working folder, launched from another: the same file."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    s = launch.Spec("train.py")
+    monkeypatch.chdir("/")
+    assert s.script == tmp_path.resolve() / "train.py" and s.script.is_file() and s.label == "train"
 
 
 BAD_SPECS = {
@@ -236,6 +258,11 @@ BAD_SPECS = {
     "private file not bytes": ({"private_files": {"key": "text"}},
                                "The private_files must map file names to bytes; got {'key': 'text'}."),
 }
+# a private file that would clobber the contract's files or land outside the run directory
+FREE = ("A private file needs a bare file name that the run directory leaves free "
+        "(not config.json, script.py, result.json, logs, metrics, model.pt); got ")
+for bad in ("script.py", "config.json", "logs", "logs/x", "../x", "/tmp/x", ".", ""):
+    BAD_SPECS[f"private file {bad!r}"] = ({"private_files": {bad: b"k"}}, f"{FREE}{bad!r}.")
 
 
 @pytest.mark.parametrize("case", list(BAD_SPECS))
@@ -415,6 +442,34 @@ def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
 
 
 # -- issue 10: supervision, identity, run directories -----------------------------------------
+
+@pytest.mark.timeout(90)
+def test_a_pythonpath_in_env_is_added_after_the_package(tmp_path, tmp_path_factory, write_script, launch_mode):
+    """env={"PYTHONPATH": ...} replaces the kernel's PYTHONPATH but keeps this package first:
+    the ranks import the learner's module and this copy of ddp_lesson. Python reads PYTHONPATH
+    only at start-up, so the warm process cannot serve it: the launch is cold, and says why
+    (its run directory sits outside tmp_path, where every launch must have gone `launch_mode`)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "mylib.py").write_text("WHO = 'mylib'\n")
+    script = write_script("uses_lib.py", """
+        import os, mylib, ddp_lesson
+        print(mylib.WHO, ddp_lesson.__file__, os.environ["PYTHONPATH"], flush=True)
+        """)
+    run = launch.start(script, nproc=1, cpu=True, run_dir=tmp_path_factory.mktemp("pythonpath") / "run",
+                       env={"PYTHONPATH": str(lib)})
+    try:
+        result = run.wait(timeout=60)
+    finally:
+        run.stop()
+    assert result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
+    assert run.log_tail(0, 5).split() == ["mylib", str(REPO / "ddp_lesson" / "__init__.py"),
+                                          os.pathsep.join([launch.PACKAGE_PARENT, str(lib)])]
+    assert launch.PACKAGE_PARENT == str(REPO)
+    assert run.config["launch"]["mode"] == "cold"
+    if launch_mode == "warm":
+        assert run.config["launch"]["why"].startswith("PYTHONPATH differs"), run.config["launch"]
+
 
 @pytest.mark.timeout(90)
 def test_a_vanished_run_directory_still_ends_the_run_with_a_result(tmp_path, write_script):

@@ -5,8 +5,8 @@ import inspect
 import pytest
 from matplotlib.figure import Figure
 
-from ddp_lesson import plots
-from ddp_lesson.runs import write_json
+from ddp_lesson import plots, runs
+from ddp_lesson.rundir import write_json
 
 
 def make_run(path, rows, status="ok", duration=10.0, nproc=2, label=None):
@@ -107,6 +107,23 @@ def test_redraw_reuses_lines_and_thins_long_curves():
     assert list(ax.get_lines()) == first  # same artists, new data
     mean = lines_by_label(ax)["mean over ranks, smoothed"]
     assert len(mean.get_xdata()) <= 501 and mean.get_xdata()[-1] == 4999
+
+
+def test_live_plot_draws_the_monitors_verdict_and_never_judges():
+    """The bars name the stragglers they are given (monitor.Monitor's Update.stragglers), even
+    where the times alone would say otherwise: the plot draws, the monitor judges."""
+    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "loss": 1.0 / s, "data_s": 0.0,
+             "compute_s": 0.05 + 0.05 * (r == 1), "wait_s": 0.0, "mem_mb": 100.0}
+            for s in range(1, 11) for r in range(3)]
+    times = runs.StepTimes(window=30).add(rows)
+    assert times.stragglers() == [1]
+    live = plots.LivePlot(("loss",))
+    live.add(rows)
+    for given, labels in (([], ["rank 0", "rank 1", "rank 2"]), ([2], ["rank 0", "rank 1", "rank 2 (slow)"])):
+        live.render("run", times=times, stragglers=given)
+        bars = live.axes[-1]
+        assert [t.get_text() for t in bars.get_yticklabels()] == labels
+        assert ("straggler: rank 2" in bars.get_title()) == bool(given)
 
 
 def test_live_plot_redraws_10000_points_as_few_in_the_same_figure():

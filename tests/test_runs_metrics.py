@@ -9,7 +9,7 @@
 - `failures.root_cause` picks the first failing rank, not the ranks torn down after it,
   both when ranks raised (error files) and when one was killed by a signal (torchrun's
   summary), and `describe` explains -9 as memory;
-- a script using ddp_lesson.metrics and ddp_lesson.dist also runs under plain
+- a script using ddp_lesson.metrics also runs under plain
   `python -m torch.distributed.run` without the launcher, writing nothing.
 """
 import json
@@ -23,19 +23,18 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, child_env
-from ddp_lesson import failures, metrics, runs
+from ddp_lesson import failures, metrics, rundir, runs
 
 
 @pytest.fixture
 def fresh_metrics(monkeypatch, tmp_path):
-    """metrics.log as rank 1 of a run in tmp_path/run, with the module's file reset."""
-    monkeypatch.setattr(metrics, "_file", None)
+    """metrics.log as rank 1 of a run in tmp_path/run, with the module's file closed."""
+    metrics.close()
     run_dir = tmp_path / "run"
     monkeypatch.setenv("DDP_LESSON_RUN_DIR", str(run_dir))
     monkeypatch.setenv("RANK", "1")
     yield run_dir
-    if metrics._file is not None:
-        metrics._file.close()
+    metrics.close()
 
 
 def test_metrics_log_writes_one_json_line_per_call(fresh_metrics):
@@ -110,14 +109,14 @@ def test_log_tail_and_tail_text(tmp_path):
 
 def make_run(path, rows, result=None):
     (path / "metrics").mkdir(parents=True)
-    runs.write_json(path / "config.json", {"label": path.name, "nproc": 2, "backend": "gloo"})
+    rundir.write_json(path / "config.json", {"label": path.name, "nproc": 2, "backend": "gloo"})
     for rank in (0, 1):
         with open(path / "metrics" / f"rank{rank}.jsonl", "w") as f:
             for row in rows:
                 if row["rank"] == rank:
                     f.write(json.dumps(row) + "\n")
     if result:
-        runs.write_json(path / "result.json", result)
+        rundir.write_json(path / "result.json", result)
     return path
 
 
@@ -140,10 +139,10 @@ def test_run_record_series_summary_and_compare(tmp_path):
 
 
 def test_write_json_is_atomic(tmp_path):
-    runs.write_json(tmp_path / "x.json", {"a": 1})
-    assert runs.read_json(tmp_path / "x.json") == {"a": 1}
+    rundir.write_json(tmp_path / "x.json", {"a": 1})
+    assert rundir.read_json(tmp_path / "x.json") == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]  # no temporary left behind
-    assert runs.read_json(tmp_path / "missing.json", "dflt") == "dflt"
+    assert rundir.read_json(tmp_path / "missing.json", "dflt") == "dflt"
 
 
 # -- failure diagnosis ----------------------------------------------------------------------
@@ -160,7 +159,7 @@ Root Cause (first observed failure):
 
 
 def error_file(logs, rank, t, message, restart=0):
-    runs.write_json(logs / f"rank{rank}.error.json", {"rank": rank, "message": message, "time": t,
+    rundir.write_json(logs / f"rank{rank}.error.json", {"rank": rank, "message": message, "time": t,
                                                       "traceback": f"Traceback ...\n{message}\n",
                                                       "restart": restart})
 
@@ -189,8 +188,8 @@ def test_rank_killed_by_signal_is_the_root_cause_not_its_peers(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     error_file(logs, 0, 10.5, "RuntimeError: Connection closed by peer")  # a consequence
-    runs.write_json(logs / "rank0.error.json", dict(runs.read_json(logs / "rank0.error.json"), pid=100))
-    runs.write_json(logs / "agent.failures.json", {"failures": [  # torchrun's structured record
+    rundir.write_json(logs / "rank0.error.json", dict(rundir.read_json(logs / "rank0.error.json"), pid=100))
+    rundir.write_json(logs / "agent.failures.json", {"failures": [  # torchrun's structured record
         {"rank": 0, "pid": 100, "exitcode": 1, "timestamp": 10},
         {"rank": 1, "pid": 101, "exitcode": -9, "timestamp": 11}]})
     (logs / "rank1.stderr.log").write_text("last words\n")
@@ -212,13 +211,13 @@ def test_explanations():
 
 @pytest.mark.timeout(120)
 def test_script_runs_under_plain_torchrun(tmp_path):
-    """ddp_lesson.metrics/dist are optional plumbing: a plain torchrun run works and
+    """ddp_lesson.metrics is optional plumbing: a plain torchrun run works and
     writes no run directory."""
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", str(SCRIPTS / "contract.py"), "--steps", "2"],
                        env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "world size 2" in p.stdout and p.stdout.count("world size") == 1  # print0
+    assert "world size 2" in p.stdout and p.stdout.count("world size") == 1  # rank 0 only
     # two processes share one pipe: a rank's line can land in the middle of another's
     envs = [json.loads(m) for m in re.findall(r"env (\{[^{}]*\})", p.stdout)]
     assert sorted(e["RANK"] for e in envs) == ["0", "1"]
@@ -233,8 +232,8 @@ def test_killed_rank_wins_even_when_torchrun_names_a_torn_down_peer(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     error_file(logs, 0, 10.5, "RuntimeError: Connection closed by peer")
-    runs.write_json(logs / "rank0.error.json", dict(runs.read_json(logs / "rank0.error.json"), pid=100))
-    runs.write_json(logs / "agent.failures.json", {"failures": [
+    rundir.write_json(logs / "rank0.error.json", dict(rundir.read_json(logs / "rank0.error.json"), pid=100))
+    rundir.write_json(logs / "agent.failures.json", {"failures": [
         {"rank": 0, "pid": 100, "exitcode": -15, "timestamp": 10},
         {"rank": 1, "pid": 101, "exitcode": -9, "timestamp": 10}]})
     f = failures.root_cause(tmp_path)
@@ -246,13 +245,13 @@ def test_memory_field_is_this_process_rss_also_after_a_fork():
     """StepTimer's mem_mb keeps /proc/self/statm open; a forked child must read its own."""
     big = bytearray(200 * 2**20)
     big[::4096] = b"\x01" * len(big[::4096])   # touch every page: 200 MB more resident here
-    parent = metrics._rss_mb()
+    parent = metrics.rss_mb()
     pid = os.fork()
     if pid == 0:
         del big                                 # the child lets go of them
         with open("/proc/self/statm") as f:
             own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-        os._exit(0 if abs(metrics._rss_mb() - own) < 20 and parent - own > 100 else 1)
+        os._exit(0 if abs(metrics.rss_mb() - own) < 20 and parent - own > 100 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 

@@ -15,7 +15,7 @@ from ddp_lesson.bundled import script
 
 
 def test_content():
-    text = slurm.sbatch_script("train_ddp.py", nodes=2, gpus_per_node=4, args=["--epochs", "3"],
+    text = slurm.sbatch_script("ddp_basic.py", nodes=2, gpus_per_node=4, args=["--epochs", "3"],
                                partition="gpu", env={"NCCL_SOCKET_IFNAME": "ib0"})
     assert text.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
@@ -31,7 +31,7 @@ def test_content():
     assert "head_port=$((20000 + SLURM_JOB_ID % 20000))" in text          # a port per job
     assert "head_port=29400" in slurm.sbatch_script("t.py", port=29400)  # unless one is given
     assert "--rdzv-id $SLURM_JOB_ID" in cmd
-    assert cmd.split()[-3:] == ["train_ddp.py", "--epochs", "3"]
+    assert cmd.split()[-3:] == ["ddp_basic.py", "--epochs", "3"]
     assert "--standalone" not in text and "torch.distributed.launch" not in text
 
 
@@ -59,14 +59,14 @@ def test_runs_with_stub_slurm(tmp_path):
     through the environment): the rendezvous endpoint must be the first host of the node
     list and the job id the rendezvous id."""
     job = tmp_path / "job.sbatch"
-    slurm.write(job, "train_ddp.py", nodes=2, gpus_per_node=4, args=["--epochs", "1"])
+    slurm.write(job, "ddp_basic.py", nodes=2, gpus_per_node=4, args=["--epochs", "1"])
     out = run_with_stubs(job, nodelist="gpu-node-[07-08]", nnodes=2, job_id=4242, cpus=32,
                          scontrol='printf "gpu-node-07\\ngpu-node-08\\n"', srun='echo "SRUN $1"; shift; "$@"')
     assert out.returncode == 0, out.stderr
     line = [l for l in out.stdout.splitlines() if l.startswith("TORCHRUN")][0]
     assert line == ("TORCHRUN --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d "
                     "--rdzv-endpoint gpu-node-07:24242 --rdzv-id 4242 --max-restarts 0 "
-                    "train_ddp.py --epochs 1")
+                    "ddp_basic.py --epochs 1")
     assert "rendezvous at gpu-node-07:24242" in out.stdout   # 20000 + 4242 % 20000
     assert "SRUN --cpus-per-task=32" in out.stdout
 

@@ -54,7 +54,7 @@ def test_straggler_rule_on_medians_and_rows_without_times():
 def test_bars_and_panel_text_name_the_straggler():
     times = runs.StepTimes(window=30).add(timed_rows([50, 90, 50]))
     fig, (ax,) = plots.new_figure(1)
-    med = plots.draw_step_times(ax, times)
+    med = plots.draw_step_times(ax, times, times.stragglers())
     assert med[1]["compute_s"] == pytest.approx(0.090) and med[0]["wait_s"] == pytest.approx(0.040)
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels == ["rank 0", "rank 1 (slow)", "rank 2"]

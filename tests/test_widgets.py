@@ -6,7 +6,7 @@ import threading
 import ipywidgets as W
 import pytest
 
-from ddp_lesson import BadInput, procs, widgets
+from ddp_lesson import BadInput, monitor, procs, runs, widgets
 from ddp_lesson.bundled import script
 from ddp_lesson.devices import GPU
 from ddp_lesson.widgets import DevicePicker, RunPanel, option_args
@@ -142,7 +142,12 @@ def shown(monkeypatch):
     return sent
 
 
-def test_run_button_trains_to_completion_and_the_plot_follows(tmp_path, shown):
+def test_run_button_trains_to_completion_and_the_plot_follows(tmp_path, shown, monkeypatch):
+    # the monitor is the one judge of stragglers: once per poll, never again by a frame
+    judged, polls = [], []
+    real_judge, real_poll = runs.StepTimes.stragglers, monitor.Monitor.poll
+    monkeypatch.setattr(runs.StepTimes, "stragglers", lambda self, *a: judged.append(1) or real_judge(self, *a))
+    monkeypatch.setattr(monitor.Monitor, "poll", lambda self: polls.append(real_poll(self)) or polls[-1])
     panel = RunPanel(TRAIN, options=OPTIONS, picker=DevicePicker(gpus=[]), runs_base=tmp_path,
                      label="panel-ok")
     panel._ipython_display_()
@@ -167,6 +172,8 @@ def test_run_button_trains_to_completion_and_the_plot_follows(tmp_path, shown):
     assert "panel-ok: ok" in panel.plot.live.title
     plotted = [r for r in panel.last_run.rows for m in panel.plot.live.metrics if m in r]
     assert panel.plot.live.points() == len(plotted) > 10   # every value of a plotted metric
+    assert panel.frames >= 1 and len(judged) == len(polls) >= panel.frames, (len(judged), len(polls))
+    assert any(u.times.per_rank for u in polls)   # the lesson script's rows had step times to judge
 
 
 def test_stop_and_interrupt_end_every_process(tmp_path, write_script, monkeypatch):

@@ -12,7 +12,8 @@ import signal
 
 
 from ..rank import rundir
-from .runs import read_json, tail_text
+from ..rank.rundir import read_json
+from .runs import tail_text
 
 SIGNALS = {
     -9: "killed by SIGKILL (-9): most often the machine ran out of memory and the kernel's "

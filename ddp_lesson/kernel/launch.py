@@ -34,7 +34,7 @@ from .. import BadInput, __version__
 from . import checks, devices, failures, interrupts, stacks, warm
 from ..rank import guard, procs, rundir
 from ..rank.rundir import write_json
-from .runs import LogTail, MetricsTail, new_run_dir, tail_text
+from .runs import LogTail, MetricsTail, tail_text
 from .spec import Nodes, Spec, fields
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
@@ -62,8 +62,15 @@ def base_env():
     this package importable and output unbuffered (a rank's print reaches its log at once)."""
     env = clean_env(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = python_path(os.environ.get("PYTHONPATH"))
     return env
+
+
+def python_path(value):
+    """A PYTHONPATH for a run's processes: this package's parent first (the ranks and the guard
+    import this copy of ddp_lesson), then `value`. A PYTHONPATH in a launch's env replaces the
+    kernel's, never the package's."""
+    return os.pathsep.join(p for p in (PACKAGE_PARENT, value) if p)
 
 
 # Processes are spawned from one long-lived thread: a parent-death signal is tied to the
@@ -184,7 +191,7 @@ def free_port(host="127.0.0.1"):
 
 
 def _prepare_run_dir(run_dir, script):
-    path = Path(run_dir) if run_dir else new_run_dir(name=Path(script).stem)
+    path = Path(run_dir) if run_dir else rundir.new_path(name=Path(script).stem)
     if path.exists() and not path.is_dir():
         raise BadInput(f"The run directory {path} is a file; give a folder that does not exist yet.")
     if path.is_dir() and any(path.iterdir()):
@@ -216,6 +223,8 @@ def run(spec, run_dir=None):
     script, nodes = spec.script, spec.nodes
     plan = spec.devices.plan()
     user_env = dict(spec.env)
+    if "PYTHONPATH" in user_env:
+        user_env["PYTHONPATH"] = python_path(user_env["PYTHONPATH"])
     server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, spec.cold, nodes.count)
     path = _prepare_run_dir(run_dir, script)
     shutil.copyfile(script, rundir.script(path))

@@ -157,7 +157,7 @@ def next_run_dir(base_run_dir, runs_base, earlier, stem):
         base = Path(base_run_dir)
         return base if not earlier else base.with_name(f"{base.name}-{len(earlier) + 1}")
     if runs_base:
-        return runs.new_run_dir(base=runs_base, name=stem)
+        return rundir.new_path(base=runs_base, name=stem)
     return None
 
 

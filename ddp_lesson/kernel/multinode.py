@@ -18,14 +18,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import devices, launch
-from .runs import load, new_run_dir
+from ..rank import rundir
+from .runs import load
 from .spec import Nodes, Spec
 
 
 def start_nodes(script, nnodes=2, nproc_per_node=1, args=(), base_dir=None, timeout=None,
                 env=None, port=None, rdzv_id=None):
     """Start `nnodes` agents for one job; returns their Runs (node 0 first)."""
-    base = Path(base_dir) if base_dir else new_run_dir(name=f"{Path(script).stem}-{nnodes}nodes")
+    base = Path(base_dir) if base_dir else rundir.new_path(name=f"{Path(script).stem}-{nnodes}nodes")
     endpoint = f"127.0.0.1:{port or launch.free_port()}"
     job = rdzv_id or f"ddp-lesson-{base.name}"
     job_spec = Spec(script, devices.Request(nproc_per_node, cpu=True), args=args, timeout=timeout, env=env,

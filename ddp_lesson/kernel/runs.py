@@ -1,4 +1,4 @@
-"""Run directories: make one, read one back (also while it runs), compare several.
+"""Run directories: read one back (also while it runs), compare several.
 
 Layout (the contract): see rundir.py, which owns its names.
 """
@@ -12,16 +12,9 @@ from pathlib import Path
 from . import spec
 from ..rank import rundir
 from ..rank.metrics import TIME_KEYS   # a step's parts: one list, kept by metrics
-from ..rank.rundir import read_json, write_json  # noqa: F401 (their home is rundir; runs.read_json/write_json stay)
+from ..rank.rundir import read_json
 
-DEFAULT_BASE = "runs"
-MODEL_FILE = rundir.MODEL   # where a lesson script's rank 0 saves the trained weights
 STRAGGLER_FACTOR = 1.3
-
-
-def new_run_dir(base=None, name="run"):
-    """A fresh run directory path under `base` (default: DDP_LESSON_RUNS, else runs/)."""
-    return rundir.new_path(base or os.environ.get("DDP_LESSON_RUNS", DEFAULT_BASE), name)
 
 
 class _Tail:
@@ -113,6 +106,12 @@ class RunRecord:
         """The physical GPU ids the ranks had, [] for CPU ranks (spec.gpus reads config.json)."""
         return spec.gpus(self.config)
 
+    @property
+    def device_env(self):
+        """What the devices gave every rank's environment, from config.json: CUDA_VISIBLE_DEVICES,
+        OMP_NUM_THREADS (a CPU rank's threads), ... (the launch's own env is config["env"])."""
+        return spec.device_env(self.config)
+
     def series(self, key, rank=None, reduce=None):
         """[(step, value)] for one rank, or for all ranks reduced per step with `reduce`
         ("mean" or "sum"), or the rows logged with rank None by a reduced logger."""
@@ -143,7 +142,7 @@ class RunRecord:
         the other ranks' medians; [] for an even run (or one without compute_s rows)."""
         return StepTimes().add(self.rows).stragglers(factor)
 
-    def state_dict(self, name=MODEL_FILE):
+    def state_dict(self, name=rundir.MODEL):
         """The weights a lesson script saved at the end of the run (rank 0 writes
         `model.state_dict()` of the inner model to <run dir>/model.pt), loaded onto the CPU
         with weights_only=True: `models.SmallCNN().load_state_dict(rec.state_dict())`."""

@@ -1,6 +1,6 @@
 """Write the Slurm batch script for a multi-node torchrun job.
 
-    print(slurm.sbatch_script("train_ddp.py", nodes=2, gpus_per_node=4, args=["--epochs", "3"]))
+    print(slurm.sbatch_script("ddp_basic.py", nodes=2, gpus_per_node=4, args=["--epochs", "3"]))
 
 sbatch runs the script once, on the first node; its `srun` starts one task per node
 (`--ntasks-per-node=1`); each task is a torchrun agent that starts `gpus_per_node` ranks; the agents meet through a c10d rendezvous on

@@ -2,7 +2,7 @@
 
     s = Spec("train.py", devices.Request(nproc=2, cpu=True), args=["--epochs", "1"], timeout=60)
     run = launch.run(s)               # launch.start("train.py", nproc=2, ...) builds the same Spec
-    Spec.from_config(run.config)      # the same launch again, on the devices it got
+    Spec.of_run(run.run_dir)          # the same launch again: its script.py, on the devices it got
 
 A Spec is a value: frozen, compared by its fields, run as often as wanted (each launch gets
 its own run directory, which is why the directory is not part of it). Every check of a
@@ -12,14 +12,18 @@ launch: devices.Request.plan() (which GPUs exist) and the run directory.
 
 config.json holds fields(spec, plan) and what the launcher adds (token, versions, command,
 ...). Its `devices` is always a list of physical GPU ids, [] for CPU ranks; gpus(config) is
-the one way to read it, also from run directories written when CPU ranks were "cpu".
+the one way to read it, also from run directories written when CPU ranks were "cpu". Its
+`env` is what the launch added (Spec.env), `device_env` what the devices gave every rank
+(CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, ...); device_env(config) reads it, also from run
+directories written when both were one `env`.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import BadInput
+from ..rank import rundir
 from . import checks
-from .devices import Request
+from .devices import Plan, Request
 
 RDZV_ID = "ddp-lesson"   # the rendezvous id of a run over several nodes unless one is given
 
@@ -64,6 +68,12 @@ def _pairs(what, mapping, value):
         raise BadInput(f"{what}; got {mapping!r}.") from None
 
 
+def _free_name(name):
+    """A private file's name: a bare file name that the run directory's contract leaves free."""
+    name = str(name)
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and name not in rundir.RESERVED
+
+
 def _data(value):
     if not isinstance(value, (bytes, bytearray)):
         raise TypeError(value)
@@ -78,7 +88,8 @@ class Spec:
     `private_files` written 0600 into the run directory before any process starts (never
     recorded in config.json), and `cold` (the agent and every rank as new interpreters, as a
     CLI torchrun starts them). Built from plain values; held normalised: a Path, tuples, a
-    float timeout, env and private_files as sorted (name, value) pairs."""
+    float timeout, env and private_files as sorted (name, value) pairs, the script's path absolute
+    (a launch from another working folder runs the same file)."""
     script: Path
     devices: Request = Request()
     args: tuple = ()
@@ -91,10 +102,10 @@ class Spec:
     cold: bool = False
 
     def __post_init__(self):
-        script = Path(self.script)
+        script = Path(self.script).resolve()
         if not script.is_file():
-            raise BadInput(f"The script {script} does not exist." if not script.exists()
-                           else f"The script {script} is not a file.")
+            raise BadInput(f"The script {self.script} does not exist." if not script.exists()
+                           else f"The script {self.script} is not a file.")
         if not isinstance(self.devices, Request):
             raise BadInput(f"A launch's devices must be a devices.Request, like Request(nproc=2); "
                            f"got {self.devices!r}.")
@@ -104,6 +115,14 @@ class Spec:
         if not isinstance(self.nodes, Nodes):
             raise BadInput(f"A launch's nodes must be a spec.Nodes, like Nodes(2, 0, \"host:29400\"); "
                            f"got {self.nodes!r}.")
+        try:
+            files = dict(self.private_files or {})
+        except (TypeError, ValueError):
+            files = {}   # _pairs below says what is wrong
+        bad = [name for name in files if not _free_name(name)]
+        if bad:
+            raise BadInput(f"A private file needs a bare file name that the run directory leaves free "
+                           f"(not {', '.join(rundir.RESERVED)}); got {str(bad[0])!r}.")
         normal = {
             "script": script, "args": tuple(str(a) for a in self.args),
             "max_restarts": checks.number("--max-restarts", self.max_restarts, 0),
@@ -116,26 +135,28 @@ class Spec:
             object.__setattr__(self, name, value)   # frozen: only here, while it is built
 
     @classmethod
-    def from_config(cls, config):
-        """The Spec of a past launch, from its config.json (a dict): the same script, arguments,
-        options and nodes, pinned to the devices its ranks had."""
-        ids = gpus(config)
+    def of_run(cls, run_dir):
+        """The launch that made the run in `run_dir` again: the script.py it ran (the learner's
+        file may have changed since), its arguments, options, env and nodes, pinned to the
+        devices its ranks had; private files are never recorded, so none."""
+        config = rundir.read_json(rundir.config(run_dir))
+        if config is None:
+            raise BadInput(f"{run_dir} is not a run directory (no readable {rundir.CONFIG}).")
         env = config.get("env") or {}
         if "device_env" not in config:   # written before the devices' env had its own field
-            env = {k: v for k, v in env.items() if k not in ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES",
-                                                              "OMP_NUM_THREADS")}
-        return cls(config["script"], Request(config["nproc"], ids or None, cpu=not ids),
-                   args=config.get("args", ()), max_restarts=config.get("max_restarts", 0),
-                   timeout=config.get("timeout"), env=env, label=config.get("label"),
-                   nodes=Nodes(config.get("nnodes", 1), config.get("node_rank", 0),
-                               config.get("rdzv_endpoint"), config.get("rdzv_id")),
+            env = {k: v for k, v in env.items() if k not in _DEVICE_ENV}
+        plan = Plan(config["nproc"], gpus(config), config.get("backend"), device_env(config))
+        return cls(rundir.script(run_dir), plan.request(), args=config.get("args", ()),
+                   max_restarts=config.get("max_restarts", 0), timeout=config.get("timeout"), env=env,
+                   label=config.get("label"), nodes=Nodes(config.get("nnodes", 1), config.get("node_rank", 0),
+                                                         config.get("rdzv_endpoint"), config.get("rdzv_id")),
                    cold=config.get("cold", False))
 
 
 def fields(spec, plan):
     """What config.json records of launching `spec` on `plan` (a devices.Plan)."""
     return {
-        "script": str(spec.script.resolve()), "args": list(spec.args), "label": spec.label,
+        "script": str(spec.script), "args": list(spec.args), "label": spec.label,
         "nproc": plan.nproc, "devices": list(plan.gpus), "backend": plan.backend,
         "world_size": plan.nproc * spec.nodes.count, "nnodes": spec.nodes.count,
         "node_rank": spec.nodes.rank, "rdzv_endpoint": spec.nodes.endpoint, "rdzv_id": spec.nodes.id,
@@ -149,3 +170,16 @@ def gpus(config):
     Run directories written before devices was always a list hold "cpu" for []."""
     value = (config or {}).get("devices")
     return [int(g) for g in value] if isinstance(value, list) else []
+
+
+# What devices.Plan puts in every rank's environment, in run directories from before device_env.
+_DEVICE_ENV = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
+def device_env(config):
+    """What the devices gave every rank's environment (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS,
+    ...), from a run's config (a dict); from the mixed `env` of older run directories."""
+    config = config or {}
+    if "device_env" in config:
+        return dict(config["device_env"])
+    return {k: v for k, v in (config.get("env") or {}).items() if k in _DEVICE_ENV}

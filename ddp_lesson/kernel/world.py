@@ -31,8 +31,7 @@ from typing import Optional
 
 from . import checks, devices, interrupts, launch
 from ..rank import rundir
-from ..rank.world_messages import Done, Exit, Gone, Out, Run, valid_hello
-from .runs import new_run_dir
+from ..rank.world_messages import ADDRESS_ENV, Done, Exit, Gone, Out, Run, valid_hello
 from .spec import Spec
 
 RANK_SCRIPT = Path(__file__).resolve().parents[1] / "rank" / "world_rank.py"
@@ -315,9 +314,9 @@ class World:
             key = secrets.token_bytes(32)
             with _Door(key) as door:
                 self._address = door.address
-                run = launch.run(replace(self._spec, env={"DDP_LESSON_WORLD_ADDRESS": "%s:%d" % door.address},
+                run = launch.run(replace(self._spec, env={ADDRESS_ENV: "%s:%d" % door.address},
                                          private_files={rundir.WORLD_KEY: key}),
-                                 run_dir=new_run_dir(name="world"))
+                                 run_dir=rundir.new_path(name="world"))
                 try:
                     hellos = self._gather(door, run)
                 except BaseException:

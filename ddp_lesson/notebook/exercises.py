@@ -328,9 +328,9 @@ def check_ranks(global_rank, device_for):
 
 def check_job(text):
     """08: the sbatch script `text` asks for 4 nodes of 8 GPUs on partition gpu, InfiniBand
-    (ib0), the rendezvous on port 29400, for train_ddp.py --epochs 10."""
+    (ib0), the rendezvous on port 29400, for ddp_basic.py --epochs 10."""
     want = ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-            "export NCCL_SOCKET_IFNAME=ib0", "head_port=29400", "--nproc-per-node 8", "train_ddp.py --epochs 10"]
+            "export NCCL_SOCKET_IFNAME=ib0", "head_port=29400", "--nproc-per-node 8", "ddp_basic.py --epochs 10"]
     missing = [w for w in want if w not in text]
     assert not missing, f"missing: {missing}"
     return True

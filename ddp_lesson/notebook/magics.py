@@ -300,11 +300,8 @@ class RanksMagics(Magics):
         w = _world
         if w is None or w.state in ("starting", "stopping", "stopped"):
             raise UsageError("No world is running: start one with %ranks start.")
-        ranks = rank_list(spans, w.world_size)
-        try:
-            out = RanksOutput(w.pick_ranks(ranks))
-        except ValueError as e:
-            raise UsageError(f"%%ranks: {e}") from None
+        ranks = rank_list(spans, w.world_size)   # sorted, once each, all in this world
+        out = RanksOutput(range(w.world_size) if ranks is None else ranks)   # World.run picks them
         live = _Live(out)
         try:
             results = w.run(cell, ranks=ranks, timeout=a.timeout, on_output=live.output)

@@ -158,13 +158,15 @@ def draw_metric(ax, rows, metric, x="step", t0=None, ranks=True, mean=True, labe
     return len(s)
 
 
-def draw_step_times(ax, times, stragglers=None):
+def draw_step_times(ax, times, stragglers):
     """Per rank, a stacked horizontal bar of the median step: data / compute / waiting for
-    others (ms), memory at the bar's end, stragglers named. `times`: a runs.StepTimes, or
-    rows. Redraws the axes (a few bars cost little)."""
+    others (ms), memory at the bar's end, the `stragglers` named. `times`: a runs.StepTimes, or
+    rows. It draws a verdict, never judges: the stragglers come from whoever judged the same
+    times (monitor.Monitor live, RunRecord.stragglers() after the run). Redraws the axes (a
+    few bars cost little)."""
     times = times if isinstance(times, runs_mod.StepTimes) else runs_mod.StepTimes().add(times)
     med = times.medians()
-    slow = set(times.stragglers() if stragglers is None else stragglers)
+    slow = set(stragglers)
     ax.clear()
     ax.set_xlabel("ms per step (median" + (f" of the last {times.window})" if times.window else ")"))
     if not med:
@@ -215,7 +217,7 @@ def plot_run(run, metrics=("loss", "test_accuracy"), x="step", times=True):
     for ax, metric in zip(axes, shown):
         draw_metric(ax, rec.rows, metric, x=x, t0=t0)
     if bars:
-        draw_step_times(axes[-1], rec.rows)
+        draw_step_times(axes[-1], rec.rows, rec.stragglers())
     fig.suptitle(f"{rec.name} ({rec.status}, {rec.config.get('nproc', '?')} process(es))")
     return fig
 
@@ -300,7 +302,8 @@ class LivePlot:
     """The run panel's figure. One Figure is kept across frames and drawn with draw_metric
     (which then only swaps line data); it has a fixed layout, because a layout engine
     costs more than the drawing itself, and renders to PNG with Agg, off any thread.
-    The step-time bars draw the runs.StepTimes a monitor.Monitor judged: it owns that view."""
+    The step-time bars draw the runs.StepTimes and the stragglers of a monitor.Monitor's
+    Update: the monitor judges, the plot draws its verdict."""
 
     def __init__(self, metrics=("loss", "test_accuracy"), x="step", width=4.6, height=2.9, dpi=80):
         self.metrics, self.x = tuple(metrics), x
@@ -320,9 +323,9 @@ class LivePlot:
     def points(self):
         return sum(len(s) for s in self.series.values())
 
-    def render(self, title=None, times=None):
+    def render(self, title=None, times=None, stragglers=()):
         """PNG bytes of the current rows (under `title`, which becomes self.title), with
-        step-time bars from `times` (a runs.StepTimes) when it has any."""
+        step-time bars from `times` (a runs.StepTimes) when it has any, `stragglers` named."""
         if title is not None:
             self.title = title
         shown = [m for m in self.metrics if len(self.series[m])] or list(self.metrics[:1])
@@ -337,7 +340,7 @@ class LivePlot:
             self._shown, self._drawn_title = shown, None
         for ax, metric in zip(self.axes, shown):
             if metric == "step times":
-                draw_step_times(ax, times)
+                draw_step_times(ax, times, stragglers)
             else:
                 draw_metric(ax, self.series[metric], metric, x=self.x)
         if self.title != self._drawn_title:

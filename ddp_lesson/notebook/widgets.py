@@ -196,15 +196,16 @@ class LiveFrame:
         else:
             display(Image(data=self.png, format="png"), display_id=self.display_id)
 
-    def update(self, rows, title, final=False, times=None):
-        """times: the monitor's runs.StepTimes, drawn as bars beside the curves."""
+    def update(self, rows, title, final=False, times=None, stragglers=()):
+        """times, stragglers: the monitor's runs.StepTimes and its verdict on them, drawn as
+        bars beside the curves."""
         self.live.add(rows)
         points = self.live.points()
         if not self.clock.due(points, title, final):
             return
         t = time.perf_counter()
         self.live.title = title
-        self.png = self.live.render(times=times)
+        self.png = self.live.render(times=times, stragglers=stragglers)
         self.clock.drawn(points, title, time.perf_counter() - t)
         if self.display_id is not None:
             update_display(Image(data=self.png, format="png"), display_id=self.display_id)
@@ -334,7 +335,7 @@ class RunPanel:
             try:
                 self._set_log(u.log)
                 self.resources_html.value = html.escape(u.resources)  # who is slow, memory, GPU use
-                self.plot.update(u.rows, u.title, final=u.ended, times=u.times)
+                self.plot.update(u.rows, u.title, final=u.ended, times=u.times, stragglers=u.stragglers)
                 self.last_update = u
             finally:  # whatever the plot did, the buttons and status must be right
                 self._set_status(u.state, u.text)

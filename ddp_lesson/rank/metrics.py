@@ -61,6 +61,15 @@ def _open():
     return _file
 
 
+def close():
+    """Close this process's metrics file; the next log() opens it again, in the run directory
+    the environment names then."""
+    global _file
+    if _file is not None:
+        _file.close()
+        _file = None
+
+
 def log(step, **values):
     """Append {rank, step, time, **values}; tensors and numpy scalars become floats."""
     f = _file or _open()
@@ -156,7 +165,8 @@ def listening_ports(pid):
 _statm = (None, None)  # (pid, descriptor): "self" was resolved when it was opened
 
 
-def _rss_mb():
+def rss_mb():
+    """This process's resident memory in MB (the mem_mb of a CPU rank's rows)."""
     global _statm
     try:  # the file stays open: pread regenerates it, at a tenth of an open() per step
         if _statm[0] != os.getpid():  # first call, or a forked child holding its parent's file
@@ -264,7 +274,7 @@ class StepTimer:
             mem = self._torch.cuda.max_memory_allocated(self.device) / 2**20
             self._torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            mem = _rss_mb()
+            mem = rss_mb()
         now = time.perf_counter()
         total = now - self._t
         wait = min(max(wait, 0.0), total)

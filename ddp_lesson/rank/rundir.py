@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 ENV = "DDP_LESSON_RUN_DIR"        # every process of a run has it: the run directory's absolute path
+RUNS_ENV = "DDP_LESSON_RUNS"      # where new run directories go, if set (a shared, read-only notebooks folder)
+BASE = "runs"                     # else here, under the working folder
 TOKEN_ENV = "DDP_LESSON_RUN_TOKEN"  # and this run's token, also in config.json (procs.py matches them)
 
 CONFIG = "config.json"
@@ -25,6 +27,9 @@ LOGS = "logs"
 METRICS = "metrics"
 WORLD_KEY = "world.key"   # a live world's key: only its ranks can connect back to the kernel
 MODEL = "model.pt"   # a lesson script's rank 0 saves model.module.state_dict() here at the end
+# What the contract names in a run directory: a file a launch adds (spec.Spec's private_files) takes
+# another name, so that it can neither clobber these nor be clobbered by them.
+RESERVED = (CONFIG, SCRIPT, RESULT, LOGS, METRICS, MODEL)
 
 
 def config(run_dir):
@@ -104,8 +109,10 @@ def from_env(default=None):
     return Path(value) if value else default
 
 
-def new_path(base="runs", name="run"):
-    """A fresh, not yet created path: <base>/<time>-<name>-<4 hex>."""
+def new_path(base=None, name="run"):
+    """A fresh, not yet created path: <base>/<time>-<name>-<4 hex>; `base` by default
+    $DDP_LESSON_RUNS, else runs/."""
+    base = base or os.environ.get(RUNS_ENV) or BASE
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40] or "run"
     return Path(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
 

@@ -10,6 +10,8 @@ since the ranks import it.
 """
 from typing import NamedTuple, Optional
 
+ADDRESS_ENV = "DDP_LESSON_WORLD_ADDRESS"   # HOST:PORT where a rank connects back to the kernel
+
 
 class Run(NamedTuple):
     call: int

@@ -19,7 +19,7 @@ import traceback
 from multiprocessing.connection import Client
 
 from ddp_lesson.rank import rundir   # standard library only, like this file
-from ddp_lesson.rank.world_messages import Done, Exit, Hello, Out
+from ddp_lesson.rank.world_messages import ADDRESS_ENV, Done, Exit, Hello, Out
 
 GATHER_S = 0.02          # printed lines reach the kernel within this (one message)
 GATHER_BYTES = 1 << 16   # or sooner, once this much is waiting
@@ -202,7 +202,7 @@ def main():
         device = torch.device("cpu")
         dist.init_process_group(backend)
 
-    host, port = os.environ["DDP_LESSON_WORLD_ADDRESS"].rsplit(":", 1)
+    host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
     key = _read_key(rundir.from_env())
     channel = Channel(Client((host, int(port)), authkey=key))
     del key

@@ -1,6 +1,6 @@
 """Writes metrics, prints its environment, then (with --gate PATH) waits until PATH
 exists before finishing, so a test can read metrics while the run is still going.
-Uses ddp_lesson.metrics and ddp_lesson.dist, and must also run under plain torchrun
+Uses ddp_lesson.metrics, and must also run under plain torchrun
 (no launcher, no DDP_LESSON_RUN_DIR)."""
 import argparse
 import json
@@ -10,7 +10,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import dist as dl
 from ddp_lesson import metrics
 
 p = argparse.ArgumentParser()
@@ -19,11 +18,13 @@ p.add_argument("--steps", type=int, default=3)
 args = p.parse_args()
 
 dist.init_process_group("gloo")
-rank = dist.get_rank()
+rank, world_size = dist.get_rank(), dist.get_world_size()
 for step in range(args.steps):
-    loss = dl.reduce_mean(torch.tensor(float(rank + step)))
-    metrics.log(step, loss=loss, test_accuracy=0.5 + 0.1 * step)
-dl.print0(f"world size {dl.world_size()}")
+    loss = torch.tensor(float(rank + step))
+    dist.all_reduce(loss)   # the mean over ranks, for the log only
+    metrics.log(step, loss=loss / world_size, test_accuracy=0.5 + 0.1 * step)
+if rank == 0:
+    print(f"world size {world_size}", flush=True)
 print("env " + json.dumps({k: os.environ.get(k) for k in
                            ("RANK", "DDP_LESSON_RUN_DIR", "MASTER_PORT", "WORLD_SIZE")}), flush=True)
 if args.gate:
