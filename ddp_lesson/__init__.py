@@ -33,7 +33,7 @@ _SHORT = {
     **dict.fromkeys(("checks", "devices", "doctor", "failures", "interrupts", "launch", "monitor",
                      "multinode", "runs", "scaling", "slurm", "spec", "stacks", "warm", "world"), "kernel"),
     **dict.fromkeys(("capstone", "diagrams", "exercises", "lesson", "magics", "plots", "simulate",
-                     "widgets"), "notebook"),
+                     "syncbn_compare", "widgets"), "notebook"),
 }
 
 
