@@ -7,6 +7,7 @@ alone still all-reduces every micro-batch (a real-run test of that here would re
 Lesson 10's fp16-step checkers (check_train_step, check_too_small_by) run one process, no
 launch: the notebook (10-25) runs them at its own settings; here each wrong answer apart."""
 import json
+import re
 
 import pytest
 
@@ -314,15 +315,18 @@ def test_pure_checkers_accept_a_solution_and_reject_the_classic_mistake():
         exercises.check_first_failure(lambda r: (0, "rank 0 failed"), crashed, {"status": "timeout"})
 
 
-def _cuda_index(physical, visible, repeats_first=True):
+def _cuda_index(physical, visible, repeats_first=True, plant=None):
     """00's exercise D: torch's reading of CUDA_VISIBLE_DEVICES on an 8-GPU server (the
     notebook's solution); repeats_first=False plants the answer that cuts the list at the
-    first GPU the server lacks before it looks for a repeated id."""
+    first GPU the server lacks before it looks for a repeated id; plant="skip empty" skips an
+    empty entry instead of stopping there, plant="no plus" reads "+2" as no number."""
     import re
     ids = []
     for part in visible.split(","):
-        number = re.match(r"\+?\d+", part.strip())
+        number = re.match(r"\d+" if plant == "no plus" else r"\+?\d+", part.strip())
         if number is None:
+            if plant == "skip empty" and not part.strip():
+                continue
             break
         ids.append(int(number.group()))
     cut = next((i for i, x in enumerate(ids) if x >= 8), len(ids))
@@ -349,6 +353,22 @@ def test_cuda_index_checker_tests_the_order_the_prompt_states():
     assert exercises.check_cuda_index(_cuda_index)
     with pytest.raises(AssertionError, match="0,9,0"):
         exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, repeats_first=False))
+
+
+def test_cuda_index_checker_rejects_skipping_entries_and_misreading_plus(monkeypatch):
+    # the cases that tell these answers apart, read by torch's own parser, cut at 8 GPUs as
+    # torch.cuda's device count cuts it (_device_count_nvml): "1,,2" and "x,1" stop at the entry
+    # without a number, "+2" is 2
+    import torch.cuda
+    def torch_ids(visible):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        ids = torch.cuda._parse_visible_devices()
+        return ids[:next((i for i, x in enumerate(ids) if x >= 8), len(ids))]
+    assert torch_ids("1,,2") == [1] and torch_ids("x,1") == [] and torch_ids("+2,0") == [2, 0]
+    for plant, visible in (("skip empty", "1,,2"), ("no plus", "+2,0")):   # each passes every other case
+        with pytest.raises(AssertionError, match=re.escape(repr(visible))):
+            exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, plant=plant))
+    assert exercises.check_cuda_index(_cuda_index)
 
 
 def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():

@@ -117,6 +117,26 @@ def test_script_seeds_and_evaluates_as_notebook_03s():
     assert "count_correct(model.module" not in mine and "count_correct(model," in mine
 
 
+
+def test_script_model_has_no_buffers_so_ddp_forward_sends_nothing(monkeypatch):
+    # 03c says: SmallCNN(norm=False) has no buffers, so loss_averaging.py's test forwards through
+    # DDP send nothing; with BatchNorm, as in 03's script, the first forward after training would
+    from ddp_lesson import launch, models
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    assert "models.SmallCNN(norm=False, width=8)" in script("loss_averaging.py").read_text()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        for norm in (False, True):
+            model = DDP(models.SmallCNN(norm=norm, width=8))
+            model(torch.randn(4, 3, 16, 16)).sum().backward()
+            assert (len(list(model.module.buffers())) > 0) == norm
+            assert model.will_sync_module_buffers() == norm   # the next forward broadcasts, or not
+    finally:
+        dist.destroy_process_group()
+
 HAND_REDUCED = textwrap.dedent("""
     import warnings, torch, torch.distributed as dist
     from torch import nn

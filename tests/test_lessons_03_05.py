@@ -11,7 +11,7 @@ their check scripts and lesson scripts on those runs, so no test here launches t
 - which parameters land in which bucket, one bucket in the first backward (ddp_checks.py):
   03b cell 03b-buckets;
 - the bucket timeline, overlap, buffers, map_location (ddp_checks.py): 03b cell 03b-timeline
-  (and tests/test_world_size.py at 3 ranks);
+  (and tests/test_world_size.py at 3 ranks); here that cell meets planted wrong results;
 - the exercise's solution cell leaves the learner's `passed` alone: 03 cell 03-ex5;
 The pictures of those cells are tested in tests/test_diagrams_collectives.py.
 - SyncBN equals BN over the concatenated batch (syncbn_stats.py): 04 cell 04-08; the
@@ -483,3 +483,48 @@ def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path
         return
     with pytest.raises(AssertionError, match="overlap or miss" if mistake == "two seeds" else "set_epoch"):
         ns["check_shards"](rows, 2, 128)
+
+
+def test_03b_timeline_cell_fails_on_planted_wrong_results(monkeypatch, tmp_path):
+    # 03b cell 03b-timeline, run on ddp_checks.py's real results at one rank, passes; it fails
+    # when the one-bucket run has several buckets, and when a GPU rank's checkpoint lands on
+    # another GPU (a load without map_location); on CPU ranks it checks no map_location
+    import importlib.util
+    import torch
+    import torch.distributed as dist
+    spec = importlib.util.spec_from_file_location("ddp_checks_planted", script("ddp_checks.py"))
+    ddp_checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddp_checks)
+    nb = json.loads((ROOT_NB / "03b_ddp_equals_one_process.ipynb").read_text())
+    source = next("".join(c["source"]) for c in nb["cells"] if c.get("id") == "03b-timeline")
+    monkeypatch.setenv("DDP_LESSON_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+
+    def results(one_bucket_cap):
+        real = ddp_checks.overlap
+        monkeypatch.setattr(ddp_checks, "overlap", lambda device, ids, bucket_cap_mb: real(
+            device, ids, one_bucket_cap if bucket_cap_mb == 1000 else bucket_cap_mb))
+        ddp_checks.check(torch.device("cpu"), None)
+        return json.loads((tmp_path / "ddp_checks.json").read_text())
+
+    def run_cell(dc):
+        from ddp_lesson import diagrams
+        exec(source, {"written": lambda run, name: dc, "ddp_run": None, "show": lambda fig: None,
+                      "diagrams": diagrams})
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        good, planted = results(1000), results(1)
+    finally:
+        dist.destroy_process_group()
+    run_cell(good)
+    assert planted[0]["overlap_one_bucket"]["buckets"] > 1
+    with pytest.raises(AssertionError):
+        run_cell(planted)
+    gpu = json.loads(json.dumps(good))
+    gpu[0].update(device="cuda:1", map_location={"saved_on": ["cuda:0"], "loaded_on": ["cuda:1"]})
+    run_cell(gpu)
+    gpu[0]["map_location"]["loaded_on"] = ["cuda:0"]
+    with pytest.raises(AssertionError, match="cuda:0"):
+        run_cell(gpu)

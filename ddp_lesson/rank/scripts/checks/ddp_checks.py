@@ -12,7 +12,8 @@
    follows a synced training forward starts from rank 0's buffers, with False each rank keeps
    its own. A forward under torch.no_grad() turns the next forward's broadcast off.
 3. map_location: a checkpoint rank 0 saved records rank 0's device; loading it with
-   map_location=<this rank's device> puts every tensor on this rank's own device.
+   map_location=<this rank's device> puts every tensor on this rank's own device. On CPU ranks
+   both devices are cpu, with or without map_location: the result means something on GPUs only.
 Writes ddp_checks.json (one entry per rank) into the run directory (check() does the work;
 notebook 03b runs it with ddp_equivalence.py and find_unused.py in one launch, checks_03b.py).
 """

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
 own plumbing, not needed in your code: without the StepTimer line, DDP's built-in averaging
-runs instead, with the same result.
+runs instead, with the same result to float rounding.
 """
 import argparse
 import os

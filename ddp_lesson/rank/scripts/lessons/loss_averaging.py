@@ -96,9 +96,10 @@ def main():
                       flush=True)
 
     # Accuracy, counted right: every test sample exactly once (a plain split rank::world_size, no
-    # padding), counts summed over ranks, then one division. model(x) is DDP's forward, as in
-    # notebook 03's script: it may broadcast rank 0's buffers once, on every rank, so uneven
-    # shards are fine while every rank has a batch.
+    # padding), counts summed over ranks, then one division. model(x) is DDP's forward, but this
+    # model has no buffers, so it sends nothing and the ranks may run different numbers of batches.
+    # With BatchNorm, as in notebook 03's script, its first forward here broadcasts rank 0's
+    # buffers: then every rank needs a batch.
     shard = Subset(test_set, range(rank, len(test_set), world_size))
     counts = count_correct(model, DataLoader(shard, batch_size=256), device)
     dist.all_reduce(counts)  # DDP: sum the counts over ranks
