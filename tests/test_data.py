@@ -122,7 +122,7 @@ def test_reference_script_trains_on_cifar10_fixture(tmp_path):
         result = run.wait(timeout=240)
     finally:
         run.stop()   # a run that did not finish must not outlive the test
-    assert result and result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
+    assert result and result["status"] == "ok", (result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
     rec = runs.load(run.run_dir)
     assert rec.ranks() == [0, 1]
     assert rec.last("test_accuracy") is not None

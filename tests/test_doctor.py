@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import processes_under, wait_until
-from ddp_lesson import doctor, launch
+from ddp_lesson import doctor, launch, runs
 
 
 @pytest.mark.timeout(180)
@@ -31,7 +31,8 @@ def test_cleanup_spares_a_run_whose_launcher_is_alive(write_script, tmp_run_dir)
     """)
     run = launch.start(script, nproc=1, cpu=True, run_dir=tmp_run_dir)
     try:
-        assert wait_until(lambda: "ready" in run.log_tail(0), 60), run.log_tail(0, 20, "stderr")
+        assert wait_until(lambda: "ready" in runs.log_tail(run.run_dir, 0), 60), \
+            runs.log_tail(run.run_dir, 0, 20, "stderr")
         before = {p.pid for p in processes_under(tmp_run_dir)}
         out = io.StringIO()
         assert doctor.cleanup(out=out) == 0

@@ -5,7 +5,7 @@ relies on:
 
 - the run directory contract: config.json, script.py, logs/, metrics/rank<R>.jsonl,
   result.json, and DDP_LESSON_RUN_DIR (absolute) in every rank's environment;
-- metric rows can be read with `Run.metrics()` while the run is still going;
+- metric rows can be read (`runs.MetricsTail(run.run_dir).read()`) while the run is still going;
 - a run works although port 29500 is taken and MASTER_PORT=29500 is in the environment;
 - `Run.stop()` and an interrupt during `Run.wait()` (what a notebook's stop button does)
   end every process of the run within 10 s, with status `interrupted`: stop() on ranks that
@@ -107,15 +107,15 @@ def contract_run(tmp_path_factory, launch_mode):
                            args=["--gate", gate, "--steps", "3"])
         try:
             # while the ranks wait at the gate, the first 3 steps of each rank are readable
-            live = []
+            tail, live = runs.MetricsTail(run.run_dir), []
             end = time.monotonic() + 60
             while len(live) < 6 and time.monotonic() < end and not run.done():
-                live += run.metrics()
+                live += tail.read()
                 time.sleep(0.1)
             status_while_reading = run.status
             gate.touch()
             result = run.wait(timeout=60)
-            late = run.metrics()
+            late = tail.read()
         finally:
             run.stop()
             for s in held:
@@ -130,7 +130,7 @@ def test_run_ok_although_port_29500_is_taken(contract_run):
     assert contract_run["result"] is not None, "the run did not finish within 60 s"
     assert run.status == "ok", run.result
     assert run.result["returncode"] == 0
-    env = json.loads(run.log_tail(0, lines=50).split("env ", 1)[1].splitlines()[0])
+    env = json.loads(runs.log_tail(run.run_dir, 0, lines=50).split("env ", 1)[1].splitlines()[0])
     assert env["MASTER_PORT"] != "29500"
 
 
@@ -144,7 +144,7 @@ def test_metrics_readable_while_the_run_goes(contract_run):
     # the rows written after the gate come with the next call, and nothing twice
     late = contract_run["late"]
     assert sorted((r["rank"], r["step"]) for r in late) == [(0, 3), (1, 3)]
-    assert contract_run["run"].rows == live + late
+    assert runs.load(contract_run["run"].run_dir).rows == live + late   # every row on disk, once
 
 
 @pytest.mark.timeout(120)
@@ -462,8 +462,8 @@ def test_a_pythonpath_in_env_is_added_after_the_package(tmp_path, tmp_path_facto
         result = run.wait(timeout=60)
     finally:
         run.stop()
-    assert result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
-    assert run.log_tail(0, 5).split() == ["mylib", str(REPO / "ddp_lesson" / "__init__.py"),
+    assert result["status"] == "ok", (result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
+    assert runs.log_tail(run.run_dir, 0, 5).split() == ["mylib", str(REPO / "ddp_lesson" / "__init__.py"),
                                           os.pathsep.join([launch.PACKAGE_PARENT, str(lib)])]
     assert launch.PACKAGE_PARENT == str(REPO)
     assert run.config["launch"]["mode"] == "cold"

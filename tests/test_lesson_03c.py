@@ -230,7 +230,7 @@ def test_gradient_check_rejects_the_real_mistake_on_2_ranks(tmp_path):
         result = run.wait(timeout=240)
     finally:
         run.stop()
-    assert result and result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
+    assert result and result["status"] == "ok", (result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
     rec = runs.load(run.run_dir)
     world = rec.config["world_size"]
     first = _notebook_function("da005b13", "one_process_first_gradient", argparse=__import__("argparse"),

@@ -424,7 +424,7 @@ def test_04_step_by_step_check_rejects_a_script_that_never_converts(tmp_path):
     try:
         for name, run in started.items():
             result = run.wait(timeout=400)
-            assert result and result["status"] == "ok", (name, result, run.log_tail(0, 30, "stderr"))
+            assert result and result["status"] == "ok", (name, result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
     finally:
         for run in started.values():
             run.stop()
@@ -471,7 +471,7 @@ def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path
         result = run.wait(timeout=300)
     finally:
         run.stop()
-    assert result and result["status"] == "ok", (result, run.log_tail(0, 30, "stderr"))
+    assert result and result["status"] == "ok", (result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
     cell = next(c for c in json.loads((ROOT_NB / "03_ddp_torchrun.ipynb").read_text())["cells"]
                 if c.get("id") == "03-06")
     text = "".join(cell["source"])

@@ -1,8 +1,10 @@
 """The UI-free monitor over real runs (pure-Python ranks, no torch: they start fast), and the
 frame clock that throttles live plots."""
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
-from ddp_lesson import launch, monitor
+from ddp_lesson import launch, monitor, runs
 
 STEPS = """
 import os
@@ -19,12 +21,16 @@ if rank == 0 and os.environ.get("FAIL"):
 def test_updates_until_the_end_with_every_row_and_all_output(tmp_path, write_script):
     run = launch.start(write_script("steps.py", STEPS), cpu=True, run_dir=tmp_path / "run", timeout=120)
     world = run.config["world_size"]
-    updates = list(monitor.Monitor(run, output=True).updates(interval=0.05))
+    mon = monitor.Monitor(run, output=True)
+    updates = list(mon.updates(interval=0.05))
     assert all(not u.ended and u.state == "running" for u in updates[:-1])
     last = updates[-1]
     assert last.ended and last.state == "ok" and last.text.startswith("Finished ok"), last.text
     assert "loss 0.333" in last.text                       # the last loss, in the status line
     assert sum(len(u.rows) for u in updates) == 3 * world    # every row once
+    # the monitor keeps them: the run's directory holds no row it missed
+    order = lambda r: (r["rank"], r["step"])   # noqa: E731
+    assert sorted(mon.rows, key=order) == sorted(runs.load(run.run_dir).rows, key=order)
     out = "".join(text for u in updates for rank, stream, text in u.output if stream == "stdout")
     assert all(f"rank {r} step 3" in out for r in range(world))
     assert "rank 0 step 3" in last.log                      # rank 0's tail
@@ -48,6 +54,16 @@ def test_updates_stop_at_the_timeout_while_the_run_goes_on(tmp_path, write_scrip
         assert updates[-1].text.startswith("Running:")
     finally:
         run.stop()
+
+
+def test_the_status_lines_read_the_rows_they_are_given():
+    """A view's status line reads its monitor's rows: the run handle keeps none."""
+    run = SimpleNamespace(config={"nproc": 2, "backend": "gloo"}, elapsed=3.0, run_dir=Path("r"),
+                          result={"status": "ok", "duration_s": 3.0})
+    assert ", step 7, " in monitor.running_text(run, [{"step": 5}, {"step": 7}, {"rank": 0}])
+    assert ", starting, " in monitor.running_text(run)
+    done = monitor.result_text(run, [{"loss": 0.5}, {"loss": 0.25}, {"test_accuracy": 0.9}])
+    assert done.startswith("Finished ok in 3.0 s, loss 0.250, test accuracy 90.0%."), done
 
 
 def test_frame_clock_throttles_and_always_draws_a_changed_final_frame():

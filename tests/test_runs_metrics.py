@@ -3,8 +3,9 @@
 - `metrics.log` appends {rank, step, time, **metrics} lines to metrics/rank<R>.jsonl,
   turning tensors into floats, and does nothing outside the launcher;
 - `MetricsTail` returns only complete new lines (a row being written comes next time),
-  in time order over all ranks; `LogTail` returns only new text; `tail_text` keeps the
-  last state of a carriage-return progress bar;
+  in time order over all ranks; `LogTail` returns only new text; `log_tail` is a rank's last
+  lines by run directory, rank and stream; `tail_text` keeps the last state of a
+  carriage-return progress bar;
 - `runs.load` / `RunRecord.series` / `summary` / `compare` read a run back;
 - `failures.root_cause` picks the first failing rank, not the ranks torn down after it,
   both when ranks raised (error files) and when one was killed by a signal (torchrun's
@@ -105,6 +106,10 @@ def test_log_tail_and_tail_text(tmp_path):
     assert runs.tail_text(logs / "bar.log", 2) == "line 2\nline 3"
     assert runs.tail_text(logs / "bar.log", 3).splitlines()[0] == "epoch 1 [####]"
     assert runs.tail_text(logs / "missing.log") == ""
+    # a rank's tail by run directory, rank and stream (rundir's names)
+    assert runs.log_tail(tmp_path) == "a\nb" and runs.log_tail(tmp_path, lines=1) == "b"
+    assert runs.log_tail(tmp_path, rank=1, stream="stderr") == "err"
+    assert runs.log_tail(tmp_path, rank=1) == "" and runs.log_tail(tmp_path, rank=2) == ""
 
 
 def make_run(path, rows, result=None):

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from conftest import REPO, child_env, processes_under, wait_until
-from ddp_lesson import doctor, guard, launch, procs, warm, warm_server
+from ddp_lesson import doctor, guard, launch, procs, runs, warm, warm_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches need Linux")
 
@@ -124,7 +124,7 @@ def test_edits_count_and_tracebacks_show_the_scripts_lines(server, write_script)
     """))
     run, r = launched(script)
     assert r["status"] == "failed" and r["failure"]["rank"] == 1, r
-    assert "value 1" in run.log_tail(0)
+    assert "value 1" in runs.log_tail(run.run_dir, 0)
     error = json.loads((run.run_dir / "logs" / "rank1.error.json").read_text())
     assert f'"{run.run_dir / "script.py"}", line 5' in error["traceback"], error["traceback"]
     for plumbing in ("warm_server", "forked_rank", "multiprocessing", "runpy"):
@@ -134,7 +134,7 @@ def test_edits_count_and_tracebacks_show_the_scripts_lines(server, write_script)
     script.write_text(script.read_text().replace('raise ValueError("planted")', "pass"))
     run, r = launched(script)
     assert r["status"] == "ok", r
-    assert "value 2" in run.log_tail(0)
+    assert "value 2" in runs.log_tail(run.run_dir, 0)
 
 
 @pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
@@ -300,4 +300,4 @@ def test_a_script_that_leaves_with_os_exit_0_ends_warm_and_cold(server, write_sc
     for cold in (False, True):
         run, r = launched(script, cold=cold)
         assert r["status"] == "ok", r
-        assert "done" in run.log_tail(1)
+        assert "done" in runs.log_tail(run.run_dir, 1)

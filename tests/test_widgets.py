@@ -170,7 +170,7 @@ def test_run_button_trains_to_completion_and_the_plot_follows(tmp_path, shown, m
     final = shown["update"][-1][0]
     assert final.data == panel.png and panel.png[:4] == b"\x89PNG"
     assert "panel-ok: ok" in panel.plot.live.title
-    plotted = [r for r in panel.last_run.rows for m in panel.plot.live.metrics if m in r]
+    plotted = [r for r in panel.rows for m in panel.plot.live.metrics if m in r]
     assert panel.plot.live.points() == len(plotted) > 10   # every value of a plotted metric
     assert panel.frames >= 1 and len(judged) == len(polls) >= panel.frames, (len(judged), len(polls))
     assert any(u.times.per_rank for u in polls)   # the lesson script's rows had step times to judge

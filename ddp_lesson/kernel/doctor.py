@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from . import devices, launch
+from . import devices, launch, runs
 from ..rank import procs, rundir
 from ..rank.bundled import script
 from ..rank.rundir import read_json, write_json
@@ -138,7 +138,7 @@ def check_allreduce(out, timeout=120):
                            timeout=timeout, label="doctor", **kwargs)
         result = run.wait()
         if result["status"] == "ok":
-            return [_line("ok", run.log_tail(0, 1) + f" in {result['duration_s']:.1f} s", out)]
+            return [_line("ok", runs.log_tail(run.run_dir, 0, 1) + f" in {result['duration_s']:.1f} s", out)]
         return [_line("fail", f"2-rank all_reduce smoke test {result['status']}: "
                               f"{result.get('message', '').splitlines()[0] if result.get('message') else ''} "
                               f"(run `python -m ddp_lesson run` on a small script to see more)", out)]

@@ -1,9 +1,11 @@
 """Start a real torchrun process tree without blocking, supervise it, and clean up.
 
     run = launch.start("train.py", nproc=2, args=["--epochs", "1"])   # or launch.run(a spec.Spec)
-    run.metrics()      # new metric rows since the last call
     run.wait()         # -> result dict (also written to result.json)
     run.stop()         # SIGTERM, short grace, then SIGKILL of every process of the run
+
+A Run is only the process handle. What the ranks write is read from run.run_dir: metric rows
+and log tails by runs (runs.MetricsTail, runs.log_tail), live views by monitor.Monitor.
 
 torchrun runs as `python -m torch.distributed.run` in its own session, under
 ddp_lesson.rank.guard (ends it if this process dies); each rank runs under the guard too.
@@ -34,7 +36,6 @@ from .. import BadInput, __version__
 from . import checks, devices, failures, interrupts, stacks, warm
 from ..rank import guard, procs, rundir
 from ..rank.rundir import write_json
-from .runs import LogTail, MetricsTail, tail_text
 from .spec import Nodes, Spec, fields
 
 SHUTDOWN_TIMEOUT_S = 2   # torchrun's wait between SIGTERM and SIGKILL of its workers
@@ -287,17 +288,16 @@ def torchrun_line(nproc, rdzv, max_restarts, script_name, args):
 
 
 class Run:
-    """Handle on one launch. Safe to poll from a notebook's main thread."""
+    """The process handle of one launch: start, state, wait, stop. What the ranks write is
+    read from run_dir (runs, monitor), not here. Safe to poll from a notebook's main thread."""
 
     def __init__(self, run_dir, cmd, env, config, timeout, warm_spawn=None):
         self.run_dir = Path(run_dir)
         self.config = config
         self.timeout = timeout
         self.token = config["token"]
-        self.rows = []
         self.result = None
         self.proc = None
-        self._metrics = MetricsTail(run_dir)
         self._done = threading.Event()
         self._stop_requested = False
         self._timed_out = False
@@ -350,20 +350,6 @@ class Run:
     def pids(self):
         """PIDs of the agent and its descendants alive now."""
         return [p.pid for p in procs.tree(self._agent)]
-
-    # -- reading back -----------------------------------------------------------------
-    def metrics(self):
-        """Metric rows written since the last call (all ranks, ordered by time)."""
-        new = self._metrics.read()
-        self.rows.extend(new)
-        return new
-
-    def log_tail(self, rank=0, lines=20, stream="stdout"):
-        return tail_text(rundir.rank_log(self.run_dir, rank, stream), lines)
-
-    def output(self, ranks=None):
-        """A LogTail over the ranks' stdout/stderr, for following them live."""
-        return LogTail(self.run_dir, ranks=ranks)
 
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout=None):

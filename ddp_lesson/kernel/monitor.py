@@ -1,9 +1,11 @@
 """Watching a run without any UI: what the command line's follow loop and the notebook's
-RunPanel both show, read from one launch.Run.
+RunPanel both show. The one view model: a Monitor reads a launch.Run's directory (its metric
+rows, its logs) and judges it; views only draw what it says.
 
     mon = Monitor(run, output=True)
     for u in mon.updates():            # one Update per poll; the last has ended=True
         u.rows, u.state, u.text        # new metric rows; "running"/"ok"/...; the status line
+        mon.rows                       # every row read so far
         u.log, u.output                # rank 0's log tail; new (rank, stream, text) chunks
         u.stragglers, u.resources      # slow ranks now; memory per rank, GPU use per device
         u.times                        # the step times they are judged on (views draw these)
@@ -46,20 +48,22 @@ def title(run):
     return f"{run.config.get('label', run.run_dir.name)}: {state}{extra}  ({where(run.config)})"
 
 
-def running_text(run):
-    step = max((r.get("step", 0) for r in run.rows[-50:]), default=None)
+def running_text(run, rows=()):
+    """One line for a running run; `rows`: its metric rows read so far (a Monitor's rows)."""
+    step = max((r.get("step", 0) for r in rows[-50:]), default=None)
     at = f", step {step}" if step is not None else ", starting"
     return f"Running: {where(run.config)}{at}, {run.elapsed:.0f} s. Run dir: {run.run_dir}"
 
 
-def result_text(run):
-    """One line for an ended run: how it ended and, when ok, the last loss and accuracy."""
+def result_text(run, rows=()):
+    """One line for an ended run: how it ended and, when ok, the last loss and accuracy of
+    `rows` (its metric rows, a Monitor's rows)."""
     res = run.result
     status = res["status"]
     if status == "ok":
         bits = []
         for key, fmt in (("loss", "{:.3f}"), ("test_accuracy", "{:.1%}")):
-            vals = [r[key] for r in run.rows if key in r]
+            vals = [r[key] for r in rows if key in r]
             if vals:
                 bits.append(f"{key.replace('_', ' ')} {fmt.format(vals[-1])}")
         tail = (", " + ", ".join(bits)) if bits else ""
@@ -106,12 +110,15 @@ def resources_text(times, stragglers, gpus=()):
 
 
 class Monitor:
-    """Polls one launch.Run. Not thread-safe: one poller at a time."""
+    """Polls one launch.Run: owns what views show of it. `rows`: every metric row read so far.
+    Not thread-safe: one poller at a time."""
 
     def __init__(self, run, log_lines=LOG_LINES, output=False):
         self.run = run
         self.log_lines = log_lines
-        self._output = run.output() if output else None
+        self.rows = []
+        self._metrics = runs.MetricsTail(run.run_dir)
+        self._output = runs.LogTail(run.run_dir) if output else None
         self.times = runs.StepTimes(window=TIME_WINDOW)
         self._gpus = spec.gpus(run.config) or None  # physical indices
         self._gpu_rows, self._gpu_at = [], -GPU_POLL_S
@@ -126,17 +133,19 @@ class Monitor:
     def poll(self):
         run = self.run
         ended = run.done()   # read before the files, so the last poll sees everything
-        rows = run.metrics()
+        rows = self._metrics.read()
+        self.rows.extend(rows)
         chunks = self._output.read() if self._output is not None else []
-        log = run.log_tail(lines=self.log_lines) if self.log_lines else ""
+        log = runs.log_tail(run.run_dir, lines=self.log_lines) if self.log_lines else ""
         slow = self.times.add(rows).stragglers()
         extra = {"stragglers": slow, "times": self.times,
                  "resources": resources_text(self.times, slow, self._gpu_use(ended))}
         if not ended:
-            return Update(rows, "running", running_text(run), title(run), log, chunks, **extra)
+            return Update(rows, "running", running_text(run, self.rows), title(run), log, chunks, **extra)
         if run.result["status"] == "failed":
             log = (log + "\n\n" if log else "") + run.result.get("message", "")
-        return Update(rows, run.result["status"], result_text(run), title(run), log, chunks, ended=True, **extra)
+        return Update(rows, run.result["status"], result_text(run, self.rows), title(run), log, chunks,
+                      ended=True, **extra)
 
     def updates(self, interval=POLL_S, timeout=None):
         """Poll every `interval` s until the run ends (the last Update has ended=True) or

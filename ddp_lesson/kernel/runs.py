@@ -1,5 +1,9 @@
 """Run directories: read one back (also while it runs), compare several.
 
+    runs.MetricsTail(run.run_dir).read()   # metric rows new since the last read (a live view)
+    runs.log_tail(run.run_dir, rank=1)     # the last lines rank 1 printed
+    runs.load(run.run_dir).rows            # every row so far, as a RunRecord
+
 Layout (the contract): see rundir.py, which owns its names.
 """
 import codecs
@@ -245,6 +249,11 @@ class LogTail(_Tail):
             if data:
                 out.append((rank, stream, data))
         return out
+
+
+def log_tail(run_dir, rank=0, lines=20, stream="stdout"):
+    """The last `lines` lines a rank wrote to its stdout (or stderr) so far: also while it runs."""
+    return tail_text(rundir.rank_log(run_dir, rank, stream), lines)
 
 
 def tail_text(path, lines=20):

@@ -76,7 +76,7 @@ def compare(panel, ref, options, timing, script="work/ddp_syncbn.py"):
               f"checking a run on {world} CPU rank(s)")
         used = {k: ref["args"][k.replace("-", "_")] for k in options}
         own = launch.start(Path(script), nproc=world, cpu=True, args=to_args(used) + ["--sync-bn"])
-        assert own.wait()["status"] == "ok", own.log_tail(0, 30, "stderr")
+        assert own.wait()["status"] == "ok", runs.log_tail(own.run_dir, 0, 30, "stderr")
         _, loss = _losses(own.run_dir)
     one, plain = others[f"1 process, batch {b * world}"]["loss"], others[f"DDP {world}x{b}, BN"]["loss"]
     check_step_by_step(loss, one, plain, world)

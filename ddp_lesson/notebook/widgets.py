@@ -244,6 +244,8 @@ class RunPanel:
     frame_s = property(lambda self: self.plot.clock.frame_s, doc="seconds the last frame took")
     png = property(lambda self: self.plot.png, doc="the last frame")
     last_run = property(lambda self: self.session.last_run)
+    rows = property(lambda self: self.session.monitor.rows if self.session.monitor else [],
+                    doc="the last run's metric rows, as its monitor read them so far")
     runs = property(lambda self: self.session.runs, doc="run directories launched here, oldest first")
     error = property(lambda self: self.session.error, doc="the last bad input's sentence")
     result = property(lambda self: self.last_run.result if self.last_run else None)
@@ -286,7 +288,7 @@ class RunPanel:
         with self._lock:
             if self.session.going():
                 self._set_status("running", "A run is already going; press Stop first. "
-                                 + monitor.running_text(self.last_run))
+                                 + monitor.running_text(self.last_run, self.session.monitor.rows))
                 return None
             try:
                 apply_overrides(self.inputs, self.options, overrides)
@@ -296,7 +298,7 @@ class RunPanel:
             self.last_update = None
             self.plot.reset(t0=run.config.get("start_unix"))
             self._set_busy(True)
-            self._set_status("running", monitor.running_text(run))
+            self._set_status("running", monitor.running_text(run, self.session.monitor.rows))
             self._set_log("")
             threading.Thread(target=self.session.watch, daemon=True, name="ddp-lesson-panel",  # after a click
                              args=(run, lambda: self._update(run), lambda: self._waiting,      # nobody waits
