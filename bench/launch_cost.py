@@ -68,20 +68,20 @@ def cpu_of(pid, children=False):
 
 def course_launch(script, nproc, args, cold, server):
     """(CPU-s, s to the first metric row or None, s in all) of one launch.start to its end."""
-    from ddp_lesson import launch
+    from ddp_lesson import launch, runs
     before = children_cpu() if cold else cpu_of(server.pid, children=True)
     t0 = time.perf_counter()
     run = launch.start(script, nproc=nproc, cpu=True, args=args, cold=cold)
-    first = None
+    tail, first = runs.MetricsTail(run.run_dir), None
     while not run.done():
-        if first is None and run.metrics():
+        if first is None and tail.read():
             first = time.perf_counter() - t0
         time.sleep(0.01)
     whole = time.perf_counter() - t0
     result = run.wait()
     if result["status"] != "ok" or run.config["launch"]["mode"] != ("cold" if cold else "warm"):
         raise SystemExit(f"launch failed or went another way: {result} {run.config['launch']}")
-    if first is None and run.metrics():
+    if first is None and tail.read():
         first = whole
     after = children_cpu() if cold else cpu_of(server.pid, children=True)
     return after - before, first, whole

@@ -54,8 +54,7 @@ def throughput(rows, nproc):
 def plain_run(args, base, nproc):
     run = launch.start(SCRIPT, nproc=nproc, args=args, run_dir=Path(base) / f"plain-{time.time_ns()}")
     result = run.wait()
-    run.metrics()
-    return result, run.rows, None
+    return result, runs.load(run.run_dir).rows, None
 
 
 def panel_run(args, base, nproc):
@@ -63,7 +62,7 @@ def panel_run(args, base, nproc):
                      runs_base=base, label="panel")
     panel.run()
     result = panel.wait()
-    return result, panel.last_run.rows, panel
+    return result, panel.rows, panel
 
 
 ROUNDS = 6  # --timing: the steps are split over this many rounds, each with fresh copies
