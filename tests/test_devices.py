@@ -30,11 +30,13 @@ def one_sentence(err):
     return text
 
 
-def test_all_gpus_by_default():
-    p = plan(available=GPUS)
-    assert (p.nproc, p.gpus, p.backend) == (3, [0, 1, 2], "nccl")
-    assert p.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2"}
-    assert "3 rank(s) on GPU(s) 0,1,2 with nccl" == p.describe()
+def test_all_free_gpus_by_default():
+    p = plan(available=GPUS)                 # GPU 2 is busy: the default leaves it out
+    assert (p.nproc, p.gpus, p.backend) == (2, [0, 1], "nccl")
+    assert p.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert "2 rank(s) on GPU(s) 0,1 with nccl" == p.describe()
+    p = plan(available=GPUS[:2] + [GPU(2, "Fake A100", 81920, 10)])
+    assert p.gpus == [0, 1, 2] and "3 rank(s) on GPU(s) 0,1,2 with nccl" == p.describe()
 
 
 @pytest.mark.parametrize("gpus", ["0,2", " 0 , 2 ", [0, 2], (0, 2)])
@@ -83,7 +85,7 @@ def test_bad_nproc(nproc, words):
     ({"gpus": ""}, "No GPU was selected"),
     ({"gpus": "0,0"}, "must not repeat"),
     ({"gpus": "0,1", "nproc": 3}, "One process per GPU"),
-    ({"nproc": 4}, "at most 3"),
+    ({"nproc": 4}, "at most 2"),
 ])
 def test_bad_gpu_requests(kwargs, words):
     available = [] if kwargs == {"gpus": "0"} else GPUS
@@ -116,22 +118,26 @@ def test_list_gpus_from_nvidia_smi(tmp_path, monkeypatch):
     assert [g.index for g in gpus] == [0, 1]
     assert gpus[0].processes == [(4242, 19990)] and gpus[1].processes == []
     assert gpus[0].memory_total_mb == 81559 and gpus[0].uuid == "GPU-aaa"
-    p = plan()  # found through the fake nvidia-smi
-    assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1" and p.backend == "nccl"
+    p = plan()  # found through the fake nvidia-smi; GPU 0 is busy, so one free GPU: CPU ranks
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "" and p.backend == "gloo"
+    assert plan(gpus="0,1").env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 @pytest.mark.parametrize("setting, expected", [
     ("1", [1]), ("GPU-aaa", [0]), ("1,0", [1, 0]), ("", []), ("0,7,1", [0]),
+    ("0,0", []), ("1gpu,0", [1, 0]), ("+1", [1]), ("-0,1", [0, 1]), ("1,,0", [1]), ("x,1", []),
+    ("GPU-bbb,GPU-aaa", [1, 0]), ("MIG-xyz", []),
 ])
 def test_cuda_visible_devices_of_the_caller_narrows_the_gpus(tmp_path, monkeypatch, setting, expected):
     """An instructor gives a learner GPUs with CUDA_VISIBLE_DEVICES; the picker and the
-    launcher must stay inside them (CUDA stops at the first unknown entry)."""
+    launcher must stay inside them, read as torch reads the list (devices.visible_ids, checked
+    against torch's parser in test_visible_ids_agrees_with_torch)."""
     _fake_nvidia_smi(tmp_path, monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", setting)
     assert [g.index for g in devices.list_gpus()] == expected
     if expected:
-        default = plan().env["CUDA_VISIBLE_DEVICES"]          # one visible GPU: CPU ranks by default
-        assert default == ("" if len(expected) == 1 else ",".join(map(str, expected)))
+        default = plan().env["CUDA_VISIBLE_DEVICES"]          # GPU 0 is busy: at most one free GPU
+        assert default == ""                                  # so CPU ranks by default
         assert plan(gpus=expected).env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, expected))
         with pytest.raises(BadInput, match="does not exist"):
             plan(gpus=[2])
@@ -215,11 +221,12 @@ def test_config_devices_is_always_a_list(tmp_path):
 
 
 # -- no device choice given: one policy (devices.default_gpus) for every entry point --------
-def _one_fake_gpu(tmp_path, monkeypatch):
+def _fake_gpus(tmp_path, monkeypatch, gpu_rows, app_rows=""):
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("""#!/bin/sh
+    fake.write_text(f"""#!/bin/sh
 case "$1" in
-  --query-gpu=*) printf '0, Fake RTX 4090, 24564, 5, GPU-one\\n' ;;
+  --query-gpu=*) printf '{gpu_rows}' ;;
+  --query-compute-apps=*) printf '{app_rows}' ;;
 esac
 """)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
@@ -227,22 +234,38 @@ esac
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-@pytest.mark.parametrize("n_gpus, expected", [(0, []), (1, []), (2, [0, 1]), (3, [0, 1, 2])])
+ONE_GPU = ("0, Fake RTX 4090, 24564, 5, GPU-one\\n", "")
+TWO_ONE_BUSY = ("0, Fake A100, 81920, 30000, GPU-zero\\n1, Fake A100, 81920, 5, GPU-one\\n",
+                "GPU-zero, 4242, 29990\\n")       # someone else's process holds GPU 0
+
+
+@pytest.mark.parametrize("n_gpus, expected", [(0, []), (1, []), (2, [0, 1]), (3, [0, 1])])
 def test_default_gpus_policy(n_gpus, expected):
+    # GPUS[2] is busy: the default counts only the GPUs nobody else uses, two or more of them
     assert devices.default_gpus(GPUS[:n_gpus]) == expected
 
 
+def test_busy_gpus_leave_the_default():
+    free, busy = GPU(0, "A", 1, 0), GPU(1, "A", 1, 9, processes=[(7, 9)])
+    assert devices.default_gpus([free, busy]) == []               # one free GPU: CPU ranks
+    assert devices.default_gpus([busy, busy]) == []
+    assert plan(available=[free, busy]).gpus == [] and plan(gpus=[1], available=[free, busy]).gpus == [1]
+
+
+@pytest.mark.parametrize("machine", ["one GPU", "two GPUs, one busy"])
 @pytest.mark.parametrize("nproc_env", [None, "3"])
-def test_one_gpu_machine_every_entry_point_defaults_to_cpu_ranks(tmp_path, monkeypatch, nproc_env):
-    """A fake one-GPU machine: the picker, `%ranks start`, the command line and plan() with
-    nothing asked all give default_cpu_nproc() CPU ranks on gloo; asking for GPU 0 uses it."""
-    _one_fake_gpu(tmp_path, monkeypatch)
+def test_every_entry_point_defaults_to_cpu_ranks_with_fewer_than_two_free_gpus(tmp_path, monkeypatch,
+                                                                               nproc_env, machine):
+    """A fake machine with one GPU, or with two of which another process uses one: the picker,
+    `%ranks start`, the command line and plan() with nothing asked all give default_cpu_nproc()
+    CPU ranks on gloo; asking for GPU 0 uses it."""
+    _fake_gpus(tmp_path, monkeypatch, *(ONE_GPU if machine == "one GPU" else TWO_ONE_BUSY))
     monkeypatch.setattr(devices, "cpu_count", lambda: 8)
     if nproc_env:
         monkeypatch.setenv("DDP_LESSON_NPROC", nproc_env)
     else:
         monkeypatch.delenv("DDP_LESSON_NPROC", raising=False)
-    assert [g.index for g in devices.list_gpus()] == [0]
+    assert len(devices.list_gpus()) == (1 if machine == "one GPU" else 2)
     want = devices.default_cpu_nproc()
     assert want == int(nproc_env or 2)
 
@@ -270,3 +293,34 @@ def test_one_gpu_machine_every_entry_point_defaults_to_cpu_ranks(tmp_path, monke
     assert plan(gpus="0").gpus == [0] and plan(gpus="0").backend == "nccl"   # asked for: the GPU
     b = build_parser().parse_args(["run", "train.py", "--gpus", "0"])
     assert devices.Request(b.nproc, b.gpus, b.cpu).plan().gpus == [0]
+
+
+# -- CUDA_VISIBLE_DEVICES: one parser, torch's reading ------------------------------------
+TORCH_CASES = ["0,0", "2gpu,3", "+1", "-0,1", "1,,2", "x,1", "2,3", "1, 4,6", "0,9,1", "", "-1,0",
+               "0,9,0", " 3 ,1 ", "GPU-bbbb,GPU-aaaa1", "GPU-cccc,GPU-cccc4444", "GPU-dddd"]
+TORCH_UUIDS = ["GPU-aaaa1111", "GPU-aaaa2222", "GPU-bbbb3333", "GPU-cccc4444"]
+
+
+@pytest.mark.parametrize("visible", TORCH_CASES)
+@pytest.mark.parametrize("n", [4, 8])
+def test_visible_ids_agrees_with_torch(visible, n, monkeypatch):
+    """The oracle is the installed torch: _parse_visible_devices reads the variable, then
+    _device_count_nvml cuts it with the machine's GPU count (NVML faked)."""
+    import torch.cuda
+    uuids = (TORCH_UUIDS * 2)[:n]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: n)
+    monkeypatch.setattr(torch.cuda, "_raw_device_uuid_nvml", lambda: uuids)
+    parsed = torch.cuda._parse_visible_devices()
+    count = max(torch.cuda._device_count_nvml(), 0)
+    ids = devices.visible_ids(visible, n, uuids)
+    assert len(ids) == count, (parsed, count, ids)
+    if parsed and isinstance(parsed[0], int):
+        assert ids == parsed[:count]
+    elif parsed:
+        assert ids == torch.cuda._transform_uuid_to_ordinals(parsed, uuids)[:count]
+
+
+def test_the_picture_uses_the_one_parser():
+    from ddp_lesson import diagrams
+    assert diagrams.visible_ids is devices.visible_ids

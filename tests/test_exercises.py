@@ -9,6 +9,8 @@ launch: the notebook (10-25) runs them at its own settings; here each wrong answ
 import json
 import re
 
+import sys
+
 import pytest
 
 from ddp_lesson import exercises
@@ -319,12 +321,14 @@ def _cuda_index(physical, visible, repeats_first=True, plant=None):
     """00's exercise D: torch's reading of CUDA_VISIBLE_DEVICES on an 8-GPU server (the
     notebook's solution); repeats_first=False plants the answer that cuts the list at the
     first GPU the server lacks before it looks for a repeated id; plant="skip empty" skips an
-    empty entry instead of stopping there, plant="no plus" reads "+2" as no number."""
+    empty entry instead of stopping there, plant="no plus" reads "+2" as no number,
+    plant="no minus zero" reads "-0" as no number (torch reads it as 0)."""
     import re
     ids = []
     for part in visible.split(","):
-        number = re.match(r"\d+" if plant == "no plus" else r"\+?\d+", part.strip())
-        if number is None:
+        sign = {"no plus": "-?", "no minus zero": r"\+?"}.get(plant, "[+-]?")
+        number = re.match(sign + r"\d+", part.strip())
+        if number is None or int(number.group()) < 0:    # "-0" is 0, "-1" stops the list
             if plant == "skip empty" and not part.strip():
                 continue
             break
@@ -365,7 +369,8 @@ def test_cuda_index_checker_rejects_skipping_entries_and_misreading_plus(monkeyp
         ids = torch.cuda._parse_visible_devices()
         return ids[:next((i for i, x in enumerate(ids) if x >= 8), len(ids))]
     assert torch_ids("1,,2") == [1] and torch_ids("x,1") == [] and torch_ids("+2,0") == [2, 0]
-    for plant, visible in (("skip empty", "1,,2"), ("no plus", "+2,0")):   # each passes every other case
+    assert torch_ids("-0,1") == [0, 1]
+    for plant, visible in (("skip empty", "1,,2"), ("no plus", "+2,0"), ("no minus zero", "-0,1")):
         with pytest.raises(AssertionError, match=re.escape(repr(visible))):
             exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, plant=plant))
     assert exercises.check_cuda_index(_cuda_index)
@@ -383,4 +388,14 @@ def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
                     lambda b, n: [b // n + (i < b % n) for i in range(n) if b // n + (i < b % n)]):
         with pytest.raises(AssertionError):
             exercises.check_dp_chunk_sizes(planted)
+    from torch import chunk                                                    # bound before the check
+    for route in (lambda b, n: chunk(torch.empty(b), n), lambda b, n: torch._VF.chunk(torch.empty(b), n),
+                  lambda b, n: torch._C.TensorBase.chunk(torch.empty(b), n),
+                  lambda b, n: torch.ops.aten.chunk(torch.empty(b), n),
+                  lambda b, n: torch.empty(b).split(-(-b // n))):
+        with pytest.raises(AssertionError, match="write the rule yourself"):  # every route to torch's chunk
+            exercises.check_dp_chunk_sizes(lambda b, n, route=route: [len(c) for c in route(b, n)])
+    assert exercises.check_dp_chunk_sizes(lambda b, n: [len(x) for x in "".join(
+        "a" * min(-(-b // n), b - s) + "," for s in range(0, b, -(-b // n))).split(",")[:-1]])  # str.split is fine
+    assert sys.getprofile() is None                                           # the watch is gone
     assert [len(c) for c in torch.empty(6).chunk(4)] == [2, 2, 2]               # torch is itself again

@@ -96,9 +96,24 @@ def test_picker_default_follows_the_one_device_policy(n_gpus, monkeypatch):
     assert widgets.devices.Request(**sel).plan(available=gpus).gpus == widgets.devices.default_gpus(gpus)
 
 
-def test_all_busy_gpus_start_ticked():
-    gpus = [GPU(i, "T4", 15360, 9000, processes=[(1, 9000)]) for i in range(2)]
-    assert DevicePicker(gpus=gpus).selection() == {"gpus": [0, 1]}
+@pytest.mark.parametrize("busy", [[0], [1], [0, 1], [1, 2], []])
+def test_picker_default_with_busy_gpus_is_the_plan(busy, monkeypatch):
+    """Busy GPUs: the picker's default is exactly what plan() gives with nothing asked, the
+    free GPUs when there are two or more of them, else CPU processes (devices.default_gpus)."""
+    monkeypatch.delenv("DDP_LESSON_NPROC", raising=False)
+    monkeypatch.setattr(widgets.devices, "cpu_count", lambda: 8)
+    gpus = [GPU(i, "T4", 15360, 9000 if i in busy else 0, processes=[(1, 9000)] if i in busy else [])
+            for i in range(3 if max(busy, default=0) >= 2 else 2)]
+    picker = DevicePicker(gpus=gpus)
+    default = widgets.devices.plan(available=gpus)
+    want = {"gpus": default.gpus} if default.gpus else {"cpu": True, "nproc": default.nproc}
+    assert picker.selection() == want
+    free = [g.index for g in gpus if not g.busy]
+    assert default.gpus == (free if len(free) >= 2 else [])
+    if not default.gpus:   # unticking CPU offers the free GPUs, or all of them if none is free
+        picker.use_cpu.value = False
+        assert picker.selection() == {"gpus": free or [g.index for g in gpus]}
+        assert "Fewer than two free GPUs" in picker.widget.children[-1].value
 
 
 # -- options ----------------------------------------------------------------------------

@@ -45,16 +45,63 @@ def _smi(args):
     return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
 
+def _strtoul(s):
+    """The number an entry starts with, as torch's _parse_visible_devices reads it ("2gpu" and
+    "+2" are 2, "-0" is 0); -1 when it starts with none, or with a negative number."""
+    digits = s[:1] if s[:1] in ("+", "-") else ""
+    for c in s[len(digits):]:
+        if not c.isdigit():
+            break
+        digits += c
+    return int(digits) if digits.lstrip("+-") else -1
+
+
+def visible_ids(cuda_visible_devices, n_physical, uuids=None):
+    """The physical GPU ids a CUDA_VISIBLE_DEVICES string makes visible, in order, read the
+    way torch 2.14's torch/cuda/__init__.py reads it (_parse_visible_devices, then
+    _device_count_nvml): each entry is the number it starts with; a repeated id hides every
+    GPU; the list stops at a negative or missing number, or at an id this machine lacks.
+    A "GPU-" list names GPUs by UUID prefixes, matched against `uuids` (the physical GPUs'
+    UUIDs, by index); without them it shows no GPU. A "MIG-" list is not modelled: torch
+    itself gives up counting there (ValueError). The one parser of the course: list_gpus
+    and the notebooks' picture use it."""
+    if cuda_visible_devices.startswith("MIG-"):
+        raise ValueError("MIG UUID lists are not modelled: torch's NVML count gives up on them too")
+    ids = []
+    if cuda_visible_devices.startswith("GPU-"):
+        for entry in cuda_visible_devices.split(","):
+            match = [i for i, u in enumerate(uuids or ()) if u.startswith(entry)]
+            if not entry.startswith("GPU-") or len(match) != 1:
+                break
+            if match[0] in ids:
+                return []
+            ids.append(match[0])
+        return ids
+    for entry in cuda_visible_devices.split(","):
+        x = _strtoul(entry.strip())
+        if x in ids:
+            return []
+        if x < 0:
+            break
+        ids.append(x)
+    for i, x in enumerate(ids):
+        if x >= n_physical:
+            return ids[:i]
+    return ids
+
+
 def _visible(gpus, setting):
     """The GPUs a CUDA_VISIBLE_DEVICES value (physical indices or UUIDs, as an instructor
-    may set per learner) leaves to this process. CUDA stops at the first unknown entry."""
-    kept = []
-    for item in (part.strip() for part in setting.split(",")):
-        match = [g for g in gpus if item and (item == str(g.index) or g.uuid.startswith(item))]
-        if len(match) != 1:
-            break
-        kept.append(match[0])
-    return kept
+    may set per learner) leaves to this process, in the order listed, as torch counts them
+    (visible_ids). A MIG list gives none: the course does not model MIG slices."""
+    by_index = {g.index: g for g in gpus}
+    n_physical = max(by_index) + 1 if by_index else 0
+    uuids = [by_index[i].uuid if i in by_index else "" for i in range(n_physical)]
+    try:
+        ids = visible_ids(setting, n_physical, uuids)
+    except ValueError:
+        return []
+    return [by_index[i] for i in ids if i in by_index]
 
 
 def list_gpus():
@@ -110,12 +157,14 @@ def default_cpu_nproc():
 
 
 def default_gpus(found):
-    """The GPUs a run gets when it names none and does not ask for CPU ranks: every GPU found
-    when there are two or more. With one GPU, or none, the answer is [] and the run gets
-    default_cpu_nproc() CPU ranks, so that a learner sees several ranks. One GPU is used
-    only when asked for by id: --gpus 0, or unticking "use CPU processes" in the picker.
+    """The GPUs a run gets when it names none and does not ask for CPU ranks: every GPU that
+    nobody else is using, when there are two or more of those. Otherwise the answer is [] and
+    the run gets default_cpu_nproc() CPU ranks, so that a learner sees several ranks and never
+    lands on a GPU another process holds. A busy GPU, or a lone one, is used only when asked
+    for by id: --gpus 0, or the picker's boxes with "use CPU processes" unticked.
     The one policy that the picker, %ranks start, the command line and plan() share."""
-    return [g.index for g in found] if len(found) >= 2 else []
+    free = [g.index for g in found if not g.busy]
+    return free if len(free) >= 2 else []
 
 
 def backend_for(use_gpus):
@@ -163,7 +212,8 @@ def _as_ids(gpus):
 class Request:
     """The devices a launch asks for, checked for shape when built (BadInput, one sentence):
     `nproc` ranks (None: the default), the physical GPU ids `gpus` (a list or "0,1"; None:
-    default_gpus(), that is every GPU where there are two or more, else CPU ranks), or CPU ranks on gloo with cpu=True. Held as
+    default_gpus(), that is every free GPU where there are two or more, else CPU ranks), or
+    CPU ranks on gloo with cpu=True. Held as
     nproc: int or None, gpus: a tuple or None (None with cpu=True), cpu: bool. plan() checks it
     against this machine."""
     nproc: object = None
@@ -199,7 +249,7 @@ class Request:
         ids = [] if self.cpu else default_gpus(found)
         if ids:
             if self.nproc is not None and self.nproc > len(ids):
-                raise BadInput(f"This machine has {len(ids)} GPU(s); ask for at most {len(ids)} "
+                raise BadInput(f"This machine has {len(ids)} free GPU(s); ask for at most {len(ids)} "
                                f"processes, or use CPU processes (--cpu).")
             return _gpu_plan(ids[: self.nproc or len(ids)])
         n = checks.cpu_ranks(self.nproc or default_cpu_nproc(), cpu_count())
@@ -210,7 +260,7 @@ class Request:
 def plan(nproc=None, gpus=None, cpu=False, available=None):
     """Turn a request into a Plan, or raise BadInput with one sentence (see Request).
 
-    gpus: None (default_gpus(): all GPUs where there are two or more, else CPU ranks), a list of physical ids or
+    gpus: None (default_gpus(): every free GPU where there are two or more, else CPU ranks), a list of physical ids or
     "0,1"; cpu=True forces CPU ranks on gloo even where GPUs exist."""
     return Request(nproc, gpus, cpu).plan(available)
 

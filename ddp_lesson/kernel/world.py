@@ -580,6 +580,7 @@ def _check_timeout(timeout):
 def start(nproc=None, gpus=None, cpu=False, timeout=None):
     """Start a live world: `nproc` CPU ranks on gloo (default: DDP_LESSON_NPROC, else 2; 1
     when only one core is usable), or one rank per GPU on nccl (`gpus` like [0, 1] or "0,1";
-    by default every GPU where there are two or more, devices.default_gpus; cpu=True forces CPU ranks). `timeout`: seconds a run() call may take unless it says otherwise
+    by default every free GPU where there are two or more, devices.default_gpus; cpu=True
+    forces CPU ranks). `timeout`: seconds a run() call may take unless it says otherwise
     (default 120). Returns when every rank is ready; bad input raises ValueError first."""
     return World(nproc=nproc, gpus=gpus, cpu=cpu, timeout=timeout)

@@ -180,7 +180,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _start_parser():
     p = _Parser(prog="%ranks start", add_help=False)
-    p.add_argument("-n", "--nproc", help="number of ranks (default: every GPU where there are two or more, else 2 CPU ranks)")
+    p.add_argument("-n", "--nproc", help="number of ranks (default: every free GPU where there are two or more, else 2 CPU ranks)")
     p.add_argument("--gpus", help="GPU ids like 0,1 (one rank each)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks on gloo even where GPUs exist")
     p.add_argument("--timeout", help="seconds a cell may take (default 120)")

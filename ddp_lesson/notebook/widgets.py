@@ -62,7 +62,10 @@ class DevicePicker:
                                       description="processes", layout=W.Layout(width="170px"))
         cpu_note = W.HTML("Ranks are CPU processes on the <b>gloo</b> backend.")
         if self.gpus:
-            # A GPU another process uses starts unticked; if all are busy, tick them all.
+            # The default is devices.default_gpus, the one policy of plan() and %ranks start:
+            # every free GPU when there are two or more, else CPU processes. The boxes of the
+            # free GPUs start ticked (all of them when every GPU is busy), for unticking CPU.
+            default = devices.default_gpus(self.gpus)
             free = [g for g in self.gpus if not g.busy] or self.gpus
             self.boxes = [W.Checkbox(value=g in free, description=g.label(), indent=False,
                                      layout=W.Layout(width="auto")) for g in self.gpus]
@@ -73,13 +76,14 @@ class DevicePicker:
             self.use_cpu.observe(self._toggle_cpu, "value")
             children = [W.HTML("<b>GPUs</b> (one process each, <b>nccl</b>)"), *self.boxes,
                         self.use_cpu, self.cpu_row]
-            if not devices.default_gpus(self.gpus):
-                # One GPU is one rank: nothing to compare across ranks. Start on CPU processes,
-                # as every run that names no device does (devices.default_gpus).
+            if not default:
+                # Fewer than two free GPUs: start on CPU processes, so that a learner sees
+                # several ranks, as every run that names no device does.
                 self.use_cpu.value = True
+                why = "One GPU" if len(self.gpus) == 1 else "Fewer than two free GPUs"
                 children.append(W.HTML(
-                    f"One GPU: {self.nproc.value} CPU processes by default, so you see "
-                    f"{self.nproc.value} ranks; untick to train on the GPU."))
+                    f"{why}: {self.nproc.value} CPU processes by default, so you see "
+                    f"{self.nproc.value} ranks; untick to train on the GPUs ticked above."))
         else:
             self.boxes, self.use_cpu = [], None
             children = [W.HBox([self.nproc, cpu_note])]

@@ -7,6 +7,7 @@ CUDA_VISIBLE_DEVICES string), so they stay right at any world size. The arrows c
 """
 from matplotlib.figure import Figure
 
+from ...kernel.devices import visible_ids   # the one parser of CUDA_VISIBLE_DEVICES
 from .shapes import DEVICE_COLOURS, arrow, blank, box
 
 __all__ = ["process_tree", "cuda_renumbering", "visible_ids"]
@@ -115,50 +116,6 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
             fontsize=8, style="italic")
     fig.tight_layout()
     return fig
-
-
-def _strtoul(s):
-    """The number an entry starts with, as torch's _parse_visible_devices reads it ("2gpu" and
-    "+2" are 2); -1 when it starts with none."""
-    digits = s[:1] if s[:1] in ("+", "-") else ""
-    for c in s[len(digits):]:
-        if not c.isdigit():
-            break
-        digits += c
-    return int(digits) if digits.lstrip("+-") else -1
-
-
-def visible_ids(cuda_visible_devices, n_physical, uuids=None):
-    """The physical GPU ids a CUDA_VISIBLE_DEVICES string makes visible, in order, read the
-    way torch 2.14's torch/cuda/__init__.py reads it (_parse_visible_devices, then
-    _device_count_nvml): each entry is the number it starts with; a repeated id hides every
-    GPU; the list stops at a negative or missing number, or at an id this machine lacks.
-    A "GPU-" list names GPUs by UUID prefixes, matched against `uuids` (the physical GPUs'
-    UUIDs, by index); without them it shows no GPU. A "MIG-" list is not modelled: torch
-    itself gives up counting there (ValueError)."""
-    if cuda_visible_devices.startswith("MIG-"):
-        raise ValueError("MIG UUID lists are not modelled: torch's NVML count gives up on them too")
-    ids = []
-    if cuda_visible_devices.startswith("GPU-"):
-        for entry in cuda_visible_devices.split(","):
-            match = [i for i, u in enumerate(uuids or ()) if u.startswith(entry)]
-            if not entry.startswith("GPU-") or len(match) != 1:
-                break
-            if match[0] in ids:
-                return []
-            ids.append(match[0])
-        return ids
-    for entry in cuda_visible_devices.split(","):
-        x = _strtoul(entry.strip())
-        if x in ids:
-            return []
-        if x < 0:
-            break
-        ids.append(x)
-    for i, x in enumerate(ids):
-        if x >= n_physical:
-            return ids[:i]
-    return ids
 
 
 def cuda_renumbering(cuda_visible_devices, n_physical=8, names=None):
