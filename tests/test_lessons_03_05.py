@@ -159,8 +159,26 @@ def test_03_diff_without_course_lines_is_only_what_makes_it_distributed(capsys):
     for plumbing in ("StepTimer", "slow", "timer", "shard=", "sleep"):
         assert plumbing not in code, plumbing
     hidden = sum(map(lesson.course_line, script("ddp_basic.py").read_text().splitlines()))
-    assert hidden >= 8 and f"({hidden} lines marked `# course` left out" in out
+    assert hidden >= 8 and f"left out: 0 of train_single.py's, {hidden} of ddp_basic.py's." in out
     assert len(changed(out.splitlines())) <= 75      # the DDP lines and the docstring
+
+
+def test_course_false_counts_both_scripts_hidden_lines_and_the_ones_gone(capsys, tmp_path):
+    # 05's diff must not hide silently that ddp_accum.py dropped ddp_syncbn.py's straggler lines
+    from ddp_lesson.notebook import lesson
+    old = script("ddp_syncbn.py").read_text()
+    mine = tmp_path / "mine.py"
+    kept = [l for l in old.splitlines() if "slow" not in l]      # drops course lines, no DDP line
+    mine.write_text("\n".join(kept) + "\n")
+    n_old = sum(map(lesson.course_line, old.splitlines()))
+    n_new = sum(map(lesson.course_line, kept))
+    assert 0 < n_new < n_old
+    lesson.show_diff("ddp_syncbn.py", mine, course=False)
+    out = capsys.readouterr().out
+    assert (f"left out: {n_old} of ddp_syncbn.py's, {n_new} of mine.py's; "
+            f"{n_old - n_new} of ddp_syncbn.py's are gone from mine.py." in out), out
+    lesson.show_diff("ddp_syncbn.py", script("ddp_syncbn.py"), course=False)
+    assert "gone" not in capsys.readouterr().out                 # the same script: nothing gone
 
 
 def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():

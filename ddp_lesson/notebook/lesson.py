@@ -15,6 +15,7 @@ import difflib
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 from ..rank import chain
@@ -98,12 +99,18 @@ def script_diff(old, new, context=1, course=True):
 
 def show_diff(old, new, context=1, course=True):
     """The lesson is the diff: print what changed from the previous lesson's script.
-    course=False hides the lines marked `# course` and says how many of `new`'s it hid."""
+    course=False hides the lines marked `# course` of both scripts and says how many of each it
+    hid, and how many of `old`'s are gone from `new`, which the diff then does not show."""
     print("\n".join(script_diff(old, new, context, course)))
     if not course:
-        hidden = sum(course_line(line) for line in Path(new).read_text().splitlines())
-        print(f"\n({hidden} lines marked `# course` left out: the course's own timing and logging. "
-              f"The script has them all.)")
+        ours = [line.strip() for line in script(old).read_text().splitlines() if course_line(line)]
+        theirs = [line.strip() for line in Path(new).read_text().splitlines() if course_line(line)]
+        gone = sum((Counter(ours) - Counter(theirs)).values())
+        name = Path(new).name
+        removed = f"; {gone} of {old}'s are gone from {name}" if gone else ""
+        print(f"\n(Lines marked `# course` left out: {len(ours)} of {old}'s, {len(theirs)} of "
+              f"{name}'s{removed}. They are the course's own timing and logging; the scripts "
+              f"have them all.)")
 
 
 def show(fig):

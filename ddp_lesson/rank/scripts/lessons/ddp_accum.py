@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 ddp_accum.py --epochs 2 --accum-steps 4
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
-own plumbing, not needed in your code: without the StepTimer line, DDP's built-in averaging
-runs instead, with the same result to float rounding.
+own plumbing, not needed in your code: without the three lines that use `timer`, DDP's
+built-in averaging runs instead, with the same result to float rounding.
 """
 import argparse
 import contextlib
@@ -102,13 +102,13 @@ def main():
     if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
         if device.type == "cuda":  # PyTorch's SyncBatchNorm: statistics gathered over nccl
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:  # it refuses CPU tensors; the course's CPU version does the same sums over gloo
+        else:  # it refuses CPU tensors; the course's CPU version gets the same global statistics over gloo
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # course: the StepTimer times each step for the run panel. Its comm hook, a function DDP
-    # course: calls to all-reduce the gradients, averages them exactly as DDP's default does.
-    # course: Not needed in your code. Only one hook per model: drop these lines to add yours.
+    # course: calls to all-reduce the gradients, gives DDP's average, to float rounding.
+    # course: Not needed in your code. One hook per model: drop the three timer lines to add yours.
     timer = metrics.StepTimer(model)  # course
     loader = timer.timed_loader(loader)  # course: also times the loading of each batch
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0

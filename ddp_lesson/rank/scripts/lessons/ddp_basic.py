@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
-own plumbing, not needed in your code: without the StepTimer line, DDP's built-in averaging
-runs instead, with the same result to float rounding.
+own plumbing, not needed in your code: without the three lines that use `timer`, DDP's
+built-in averaging runs instead, with the same result to float rounding.
 """
 import argparse
 import os
@@ -80,8 +80,8 @@ def main():
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # course: the StepTimer times each step for the run panel. Its comm hook, a function DDP
-    # course: calls to all-reduce the gradients, averages them exactly as DDP's default does.
-    # course: Not needed in your code. Only one hook per model: drop these lines to add yours.
+    # course: calls to all-reduce the gradients, gives DDP's average, to float rounding.
+    # course: Not needed in your code. One hook per model: drop the three timer lines to add yours.
     timer = metrics.StepTimer(model)  # course
     loader = timer.timed_loader(loader)  # course: also times the loading of each batch
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
