@@ -186,8 +186,10 @@ def check_cuda_index(fn):
         assert got == want, f"GPU {physical} with CUDA_VISIBLE_DEVICES={visible!r} is cuda:{want}, you said {got}"
     # "0,9,0": torch looks for a repeat before it cuts the list at 9, a GPU the server lacks
     # "1,,2" and "x,1": an empty entry or a word stops the list, it is not skipped
+    # "0,8,1": GPU 8 is the first the server lacks; "0,-0", "2gpu,2": a repeat is of the number
     for physical, visible in [(0, "2,3"), (1, ""), (1, "0,9,1"), (1, "0,-1,1"), (1, "1,1"), (2, "2,3,2"),
-                              (0, "0,9,0"), (2, "1,,2"), (1, "x,1")]:
+                              (0, "0,9,0"), (2, "1,,2"), (1, "x,1"), (1, "0,8,1"), (0, "0,-0"),
+                              (2, "2gpu,2")]:
         try:
             fn(physical, visible)
         except ValueError:
