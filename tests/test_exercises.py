@@ -10,6 +10,7 @@ import json
 import re
 
 import sys
+import threading
 
 import pytest
 
@@ -406,6 +407,20 @@ def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
                   lambda b, n: torch.empty(b).split(-(-b // n))):
         with pytest.raises(AssertionError, match="write the rule yourself"):  # every route to torch's chunk
             exercises.check_dp_chunk_sizes(lambda b, n, route=route: [len(c) for c in route(b, n)])
+    from concurrent.futures import ThreadPoolExecutor                          # a thread fn starts
+
+    def in_a_thread(b, n):
+        with ThreadPoolExecutor(1) as pool:
+            return [len(c) for c in pool.submit(lambda: torch.empty(b).chunk(n)).result()]
+
+    def hook_off(b, n):                                                        # switches the watch off
+        sys.setprofile(None)
+        return [len(c) for c in torch.empty(b).chunk(n)]
+    with pytest.raises(AssertionError, match="write the rule yourself"):
+        exercises.check_dp_chunk_sizes(in_a_thread)
+    with pytest.raises(AssertionError, match="leave the profile hook alone"):
+        exercises.check_dp_chunk_sizes(hook_off)
+    assert threading.getprofile() is None
     assert exercises.check_dp_chunk_sizes(lambda b, n: [len(x) for x in "".join(
         "a" * min(-(-b // n), b - s) + "," for s in range(0, b, -(-b // n))).split(",")[:-1]])  # str.split is fine
     assert sys.getprofile() is None                                           # the watch is gone
