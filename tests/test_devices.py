@@ -13,6 +13,7 @@
 """
 import os
 import stat
+import warnings
 
 import pytest
 
@@ -126,7 +127,7 @@ def test_list_gpus_from_nvidia_smi(tmp_path, monkeypatch):
 @pytest.mark.parametrize("setting, expected", [
     ("1", [1]), ("GPU-aaa", [0]), ("1,0", [1, 0]), ("", []), ("0,7,1", [0]),
     ("0,0", []), ("1gpu,0", [1, 0]), ("+1", [1]), ("-0,1", [0, 1]), ("1,,0", [1]), ("x,1", []),
-    ("GPU-bbb,GPU-aaa", [1, 0]), ("MIG-xyz", []),
+    ("GPU-bbb,GPU-aaa", [1, 0]),
 ])
 def test_cuda_visible_devices_of_the_caller_narrows_the_gpus(tmp_path, monkeypatch, setting, expected):
     """An instructor gives a learner GPUs with CUDA_VISIBLE_DEVICES; the picker and the
@@ -141,6 +142,20 @@ def test_cuda_visible_devices_of_the_caller_narrows_the_gpus(tmp_path, monkeypat
         assert plan(gpus=expected).env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, expected))
         with pytest.raises(BadInput, match="does not exist"):
             plan(gpus=[2])
+
+
+@pytest.mark.parametrize("setting, words", [("MIG-xyz", "MIG"), ("0,+", "cannot read"), ("+x", "cannot read")])
+def test_a_list_the_course_cannot_read_warns_and_shows_no_gpu(tmp_path, monkeypatch, setting, words):
+    # torch counts a MIG slice through the CUDA runtime, and fails on "0,+": the course shows
+    # no GPU for either, so plan() goes to CPU ranks, and it says so rather than silently
+    _fake_nvidia_smi(tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", setting)
+    with pytest.warns(UserWarning, match=words):
+        assert devices.list_gpus() == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [g.index for g in devices.list_gpus()] == [1]     # a list it reads: no warning
 
 
 def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
@@ -297,7 +312,11 @@ def test_every_entry_point_defaults_to_cpu_ranks_with_fewer_than_two_free_gpus(t
 
 # -- CUDA_VISIBLE_DEVICES: one parser, torch's reading ------------------------------------
 TORCH_CASES = ["0,0", "2gpu,3", "+1", "-0,1", "1,,2", "x,1", "2,3", "1, 4,6", "0,9,1", "", "-1,0",
-               "0,9,0", " 3 ,1 ", "GPU-bbbb,GPU-aaaa1", "GPU-cccc,GPU-cccc4444", "GPU-dddd"]
+               "0,9,0", " 3 ,1 ", "GPU-bbbb,GPU-aaaa1", "GPU-cccc,GPU-cccc4444", "GPU-dddd",
+               # torch looks for a repeated string before it matches any UUID
+               "GPU-aaaa,GPU-zz,GPU-aaaa", "GPU-aaaa1111,GPU-aaaa,GPU-aaaa1111", "GPU-bbbb,GPU-zz,GPU-bbbb",
+               # a bare sign: torch's parser raises ValueError, and so must the course's
+               "0,+", "0,-", "+x,1", "0,0,+"]
 TORCH_UUIDS = ["GPU-aaaa1111", "GPU-aaaa2222", "GPU-bbbb3333", "GPU-cccc4444"]
 
 
@@ -311,7 +330,12 @@ def test_visible_ids_agrees_with_torch(visible, n, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: n)
     monkeypatch.setattr(torch.cuda, "_raw_device_uuid_nvml", lambda: uuids)
-    parsed = torch.cuda._parse_visible_devices()
+    try:
+        parsed = torch.cuda._parse_visible_devices()
+    except ValueError:
+        with pytest.raises(ValueError, match="sign with no digit"):
+            devices.visible_ids(visible, n, uuids)
+        return
     count = max(torch.cuda._device_count_nvml(), 0)
     ids = devices.visible_ids(visible, n, uuids)
     assert len(ids) == count, (parsed, count, ids)

@@ -126,6 +126,7 @@ VISIBLE_CASES = [
     ("0,9,0", 8), ("+2", 8), ("2gpu,3", 8), ("1,-1,2", 8), ("1,,2", 8), ("x,1", 8), (" 3 ,1 ", 4),
     ("GPU-bbbb,GPU-aaaa1", 4), ("GPU-aaaa,GPU-cccc", 4), ("GPU-cccc,GPU-cccc4444", 4),
     ("GPU-bbbb,3", 4), ("GPU-dddd", 4),
+    ("GPU-bbbb,GPU-zz,GPU-bbbb", 4), ("GPU-aaaa1111,GPU-aaaa,GPU-aaaa1111", 4),  # repeat before match
 ]
 
 

@@ -10,6 +10,7 @@ import json
 import re
 
 import sys
+import threading
 
 import pytest
 
@@ -322,7 +323,9 @@ def _cuda_index(physical, visible, repeats_first=True, plant=None):
     notebook's solution); repeats_first=False plants the answer that cuts the list at the
     first GPU the server lacks before it looks for a repeated id; plant="skip empty" skips an
     empty entry instead of stopping there, plant="no plus" reads "+2" as no number,
-    plant="no minus zero" reads "-0" as no number (torch reads it as 0)."""
+    plant="no minus zero" reads "-0" as no number (torch reads it as 0), plant="cut past 8"
+    keeps GPU 8 (an off-by-one: x > 8), plant="repeat by text" looks for a repeated entry
+    text instead of a repeated number ("0,-0" and "2gpu,2" then pass)."""
     import re
     ids = []
     for part in visible.split(","):
@@ -332,9 +335,15 @@ def _cuda_index(physical, visible, repeats_first=True, plant=None):
             if plant == "skip empty" and not part.strip():
                 continue
             break
-        ids.append(int(number.group()))
-    cut = next((i for i, x in enumerate(ids) if x >= 8), len(ids))
-    if len(set(ids if repeats_first else ids[:cut])) != len(ids if repeats_first else ids[:cut]):
+        ids.append(int(number.group()) if plant != "repeat by text" else part.strip())
+    if plant == "repeat by text":
+        if len(set(ids)) != len(ids):
+            raise ValueError("a repeated id hides every GPU")
+        ids = [int(re.match(r"[+-]?\d+", x).group()) for x in ids]
+    last = 9 if plant == "cut past 8" else 8
+    cut = next((i for i, x in enumerate(ids) if x >= last), len(ids))
+    if plant != "repeat by text" and \
+            len(set(ids if repeats_first else ids[:cut])) != len(ids if repeats_first else ids[:cut]):
         raise ValueError("a repeated id hides every GPU")
     ids = ids[:cut]
     if physical not in ids:
@@ -370,7 +379,10 @@ def test_cuda_index_checker_rejects_skipping_entries_and_misreading_plus(monkeyp
         return ids[:next((i for i, x in enumerate(ids) if x >= 8), len(ids))]
     assert torch_ids("1,,2") == [1] and torch_ids("x,1") == [] and torch_ids("+2,0") == [2, 0]
     assert torch_ids("-0,1") == [0, 1]
-    for plant, visible in (("skip empty", "1,,2"), ("no plus", "+2,0"), ("no minus zero", "-0,1")):
+    # GPU 8 is the first one an 8-GPU server lacks; a repeat is of the number, not the text
+    assert torch_ids("0,8,1") == [0] and torch_ids("0,-0") == [] and torch_ids("2gpu,2") == []
+    for plant, visible in (("skip empty", "1,,2"), ("no plus", "+2,0"), ("no minus zero", "-0,1"),
+                           ("cut past 8", "0,8,1"), ("repeat by text", "0,-0")):
         with pytest.raises(AssertionError, match=re.escape(repr(visible))):
             exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, plant=plant))
     assert exercises.check_cuda_index(_cuda_index)
@@ -395,6 +407,20 @@ def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
                   lambda b, n: torch.empty(b).split(-(-b // n))):
         with pytest.raises(AssertionError, match="write the rule yourself"):  # every route to torch's chunk
             exercises.check_dp_chunk_sizes(lambda b, n, route=route: [len(c) for c in route(b, n)])
+    from concurrent.futures import ThreadPoolExecutor                          # a thread fn starts
+
+    def in_a_thread(b, n):
+        with ThreadPoolExecutor(1) as pool:
+            return [len(c) for c in pool.submit(lambda: torch.empty(b).chunk(n)).result()]
+
+    def hook_off(b, n):                                                        # switches the watch off
+        sys.setprofile(None)
+        return [len(c) for c in torch.empty(b).chunk(n)]
+    with pytest.raises(AssertionError, match="write the rule yourself"):
+        exercises.check_dp_chunk_sizes(in_a_thread)
+    with pytest.raises(AssertionError, match="leave the profile hook alone"):
+        exercises.check_dp_chunk_sizes(hook_off)
+    assert threading.getprofile() is None
     assert exercises.check_dp_chunk_sizes(lambda b, n: [len(x) for x in "".join(
         "a" * min(-(-b // n), b - s) + "," for s in range(0, b, -(-b // n))).split(",")[:-1]])  # str.split is fine
     assert sys.getprofile() is None                                           # the watch is gone

@@ -43,6 +43,20 @@ time.sleep(60)
 
 
 # -- device picker ----------------------------------------------------------------------
+@pytest.mark.parametrize("nproc", ["8", "3"])
+def test_picker_default_equals_plan_with_ddp_lesson_nproc(monkeypatch, nproc):
+    # DDP_LESSON_NPROC=8 on a 2-core machine: plan() and %ranks start allow it
+    # (checks.max_cpu_ranks), so the picker must start at the same count, not cap it lower
+    from ddp_lesson import devices
+    monkeypatch.setenv("DDP_LESSON_NPROC", nproc)
+    monkeypatch.delenv("DDP_LESSON_MAX_CPU_RANKS", raising=False)
+    monkeypatch.setattr(devices, "cpu_count", lambda: 2)
+    want = devices.plan(available=[])
+    picker = DevicePicker(gpus=[])
+    assert picker.selection() == {"nproc": want.nproc} and want.nproc == int(nproc)
+    assert devices.Request(**picker.selection()).plan(available=[]).nproc == want.nproc
+
+
 def test_picker_without_gpus_asks_for_cpu_processes():
     picker = DevicePicker(gpus=[])
     assert picker.selection() == {"nproc": 2}

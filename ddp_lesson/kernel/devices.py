@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 from .. import BadInput
@@ -47,13 +48,41 @@ def _smi(args):
 
 def _strtoul(s):
     """The number an entry starts with, as torch's _parse_visible_devices reads it ("2gpu" and
-    "+2" are 2, "-0" is 0); -1 when it starts with none, or with a negative number."""
+    "+2" are 2, "-0" is 0); -1 when it starts with no digit and no sign, or with a negative
+    number. A sign with no digit after it ("+", "-", "+x") raises ValueError, as torch's own
+    reading does: torch.cuda.device_count() fails on CUDA_VISIBLE_DEVICES=0,+ too."""
     digits = s[:1] if s[:1] in ("+", "-") else ""
     for c in s[len(digits):]:
         if not c.isdigit():
             break
         digits += c
-    return int(digits) if digits.lstrip("+-") else -1
+    if not digits:
+        return -1
+    if not digits.lstrip("+-"):                       # torch's int(s[:idx]) fails here
+        raise ValueError(f"the entry {s!r} is a sign with no digit, which torch cannot read")
+    return int(digits)
+
+
+def _gpu_uuid_ids(cuda_visible_devices, uuids):
+    """A "GPU-" list in torch's two steps: first the strings (stop at the first entry without
+    the prefix; a repeated string hides every GPU), then each string to the one GPU whose
+    UUID starts with it (stop at one that matches none or several; a repeated GPU hides all)."""
+    names = []
+    for entry in cuda_visible_devices.split(","):
+        if entry in names:
+            return []
+        if not entry.startswith("GPU-"):
+            break
+        names.append(entry)
+    ids = []
+    for name in names:
+        match = [i for i, u in enumerate(uuids or ()) if u.startswith(name)]
+        if len(match) != 1:
+            break
+        if match[0] in ids:
+            return []
+        ids.append(match[0])
+    return ids
 
 
 def visible_ids(cuda_visible_devices, n_physical, uuids=None):
@@ -61,22 +90,16 @@ def visible_ids(cuda_visible_devices, n_physical, uuids=None):
     way torch 2.14's torch/cuda/__init__.py reads it (_parse_visible_devices, then
     _device_count_nvml): each entry is the number it starts with; a repeated id hides every
     GPU; the list stops at a negative or missing number, or at an id this machine lacks.
+    An entry that is a bare sign ("0,+") raises ValueError, as torch's parser does.
     A "GPU-" list names GPUs by UUID prefixes, matched against `uuids` (the physical GPUs'
-    UUIDs, by index); without them it shows no GPU. A "MIG-" list is not modelled: torch
-    itself gives up counting there (ValueError). The one parser of the course: list_gpus
-    and the notebooks' picture use it."""
+    UUIDs, by index); without them it shows no GPU. A "MIG-" list raises ValueError: it names
+    slices of a GPU, not GPUs, and torch's NVML pre-count skips MIG lists and asks the CUDA
+    runtime instead. The one parser of the course: list_gpus and the notebooks' picture use it."""
     if cuda_visible_devices.startswith("MIG-"):
-        raise ValueError("MIG UUID lists are not modelled: torch's NVML count gives up on them too")
-    ids = []
+        raise ValueError("MIG UUID lists are not modelled: torch's NVML pre-count skips them too")
     if cuda_visible_devices.startswith("GPU-"):
-        for entry in cuda_visible_devices.split(","):
-            match = [i for i, u in enumerate(uuids or ()) if u.startswith(entry)]
-            if not entry.startswith("GPU-") or len(match) != 1:
-                break
-            if match[0] in ids:
-                return []
-            ids.append(match[0])
-        return ids
+        return _gpu_uuid_ids(cuda_visible_devices, uuids)
+    ids = []
     for entry in cuda_visible_devices.split(","):
         x = _strtoul(entry.strip())
         if x in ids:
@@ -93,13 +116,18 @@ def visible_ids(cuda_visible_devices, n_physical, uuids=None):
 def _visible(gpus, setting):
     """The GPUs a CUDA_VISIBLE_DEVICES value (physical indices or UUIDs, as an instructor
     may set per learner) leaves to this process, in the order listed, as torch counts them
-    (visible_ids). A MIG list gives none: the course does not model MIG slices."""
+    (visible_ids). A MIG list, or a list torch cannot read, gives none, with a warning:
+    the course does not model MIG slices, so its plan falls back to CPU ranks."""
     by_index = {g.index: g for g in gpus}
     n_physical = max(by_index) + 1 if by_index else 0
     uuids = [by_index[i].uuid if i in by_index else "" for i in range(n_physical)]
     try:
         ids = visible_ids(setting, n_physical, uuids)
-    except ValueError:
+    except ValueError as e:
+        what = ("names MIG slices, which the course does not model" if setting.startswith("MIG-")
+                else f"is one torch cannot read ({e})")
+        warnings.warn(f"CUDA_VISIBLE_DEVICES={setting!r} {what}: the course sees no GPU "
+                      f"and plans CPU ranks.", stacklevel=3)
         return []
     return [by_index[i] for i in ids if i in by_index]
 

@@ -186,8 +186,10 @@ def check_cuda_index(fn):
         assert got == want, f"GPU {physical} with CUDA_VISIBLE_DEVICES={visible!r} is cuda:{want}, you said {got}"
     # "0,9,0": torch looks for a repeat before it cuts the list at 9, a GPU the server lacks
     # "1,,2" and "x,1": an empty entry or a word stops the list, it is not skipped
+    # "0,8,1": GPU 8 is the first the server lacks; "0,-0", "2gpu,2": a repeat is of the number
     for physical, visible in [(0, "2,3"), (1, ""), (1, "0,9,1"), (1, "0,-1,1"), (1, "1,1"), (2, "2,3,2"),
-                              (0, "0,9,0"), (2, "1,,2"), (1, "x,1")]:
+                              (0, "0,9,0"), (2, "1,,2"), (1, "x,1"), (1, "0,8,1"), (0, "0,-0"),
+                              (2, "2gpu,2")]:
         try:
             fn(physical, visible)
         except ValueError:
@@ -213,9 +215,14 @@ def _torch_splitter(fn):
 
 def check_dp_chunk_sizes(fn):
     """01: fn(batch, n_devices) is the list of chunk sizes DataParallel's scatter makes, found
-    by a rule of the learner's own. While fn runs, a profile hook (sys.setprofile) watches
-    every call of a C function, so a call of torch's chunk or split by any route fails it."""
+    by a rule of the learner's own. While fn runs, a profile hook watches each call that
+    Python code makes to a C function, in this thread (sys.setprofile) and in threads fn
+    starts (threading.setprofile): a direct call of torch's chunk or split fails it, and so
+    does a function that changes the hook. This is a guard against the obvious shortcut,
+    not a sandbox: a C function called from C (map, functools.partial, operator.methodcaller)
+    makes no event to watch."""
     import sys
+    import threading
 
     import torch
     wants = {(batch, n): [len(c) for c in torch.empty(batch).chunk(n)]
@@ -226,13 +233,17 @@ def check_dp_chunk_sizes(fn):
         if event == "c_call" and not seen and _torch_splitter(arg):
             seen.append(_torch_splitter(arg))
 
-    before = sys.getprofile()
+    before, before_threads = sys.getprofile(), threading.getprofile()
     for (batch, n), want in wants.items():
+        threading.setprofile(watch)
         sys.setprofile(watch)
         try:
             got = fn(batch, n)
+            changed = sys.getprofile() is not watch or threading.getprofile() is not watch
         finally:
             sys.setprofile(before)
+            threading.setprofile(before_threads)
+        assert not changed, "leave the profile hook alone: your function changed sys.setprofile"
         assert not seen, f"write the rule yourself: your function called torch's {seen[0]}"
         assert got is not None and list(got) == want, \
             f"batch {batch} on {n} devices: DP makes {want}, you said {got}"

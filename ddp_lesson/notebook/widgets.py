@@ -32,7 +32,7 @@ import ipywidgets as W
 from IPython.display import Image, display, update_display
 
 from .. import BadInput
-from ..kernel import devices, launch, monitor
+from ..kernel import checks, devices, launch, monitor
 from . import plots
 
 STATUS_COLORS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e",
@@ -57,7 +57,9 @@ class DevicePicker:
     def __init__(self, gpus=None, nproc=None, max_nproc=None):
         self.gpus = devices.list_gpus() if gpus is None else list(gpus)
         nproc = nproc or devices.default_cpu_nproc()  # DDP_LESSON_NPROC, else 2 (1 with one usable core)
-        max_nproc = max_nproc or max(4, devices.cpu_count() * 2)
+        # the cap plan() and %ranks start allow without asking on purpose (checks.max_cpu_ranks),
+        # never below the default, so the picker starts where plan() does
+        max_nproc = max_nproc or max(nproc, checks.max_cpu_ranks(devices.cpu_count()))
         self.nproc = W.BoundedIntText(value=min(nproc, max_nproc), min=1, max=max_nproc,
                                       description="processes", layout=W.Layout(width="170px"))
         cpu_note = W.HTML("Ranks are CPU processes on the <b>gloo</b> backend.")
