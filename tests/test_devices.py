@@ -101,16 +101,9 @@ def test_gpu_label():
 
 
 def _fake_nvidia_smi(tmp_path, monkeypatch):
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("""#!/bin/sh
-case "$1" in
-  --query-gpu=*) printf '1, Fake H100, 81559, 5, GPU-bbb\\n0, Fake H100, 81559, 20000, GPU-aaa\\n' ;;
-  --query-compute-apps=*) printf 'GPU-aaa, 4242, 19990\\n' ;;
-esac
-""")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    """Two H100s, GPU 0 busy (pid 4242): the fake of _fake_gpus below."""
+    _fake_gpus(tmp_path, monkeypatch, "1, Fake H100, 81559, 5, GPU-bbb\\n0, Fake H100, 81559, 20000, GPU-aaa\\n",
+               "GPU-aaa, 4242, 19990\\n")
 
 
 def test_list_gpus_from_nvidia_smi(tmp_path, monkeypatch):
