@@ -230,8 +230,9 @@ def check_dp_chunk_sizes(fn):
     seen = []
 
     def watch(frame, event, arg):
-        if event == "c_call" and not seen and _torch_splitter(arg):
-            seen.append(_torch_splitter(arg))
+        name = _torch_splitter(arg) if event == "c_call" and not seen else None
+        if name:
+            seen.append(name)
 
     before, before_threads = sys.getprofile(), threading.getprofile()
     for (batch, n), want in wants.items():

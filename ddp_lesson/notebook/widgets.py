@@ -294,7 +294,7 @@ class RunPanel:
         with self._lock:
             if self.session.going():
                 self._set_status("running", "A run is already going; press Stop first. "
-                                 + monitor.running_text(self.last_run, self.session.monitor.rows))
+                                 + monitor.running_text(self.last_run, self.rows))
                 return None
             try:
                 apply_overrides(self.inputs, self.options, overrides)
@@ -304,7 +304,7 @@ class RunPanel:
             self.last_update = None
             self.plot.reset(t0=run.config.get("start_unix"))
             self._set_busy(True)
-            self._set_status("running", monitor.running_text(run, self.session.monitor.rows))
+            self._set_status("running", monitor.running_text(run, self.rows))
             self._set_log("")
             threading.Thread(target=self.session.watch, daemon=True, name="ddp-lesson-panel",  # after a click
                              args=(run, lambda: self._update(run), lambda: self._waiting,      # nobody waits

@@ -98,7 +98,7 @@ def save_json(name, data):
 
 
 def checkpoint_path():
-    """Where rank 0 saves the trained weights: the file a notebook's Run.state_dict() loads."""
+    """Where rank 0 saves the trained weights: the file runs.load(run_dir).state_dict() loads."""
     return run_dir() / rundir.MODEL
 
 
