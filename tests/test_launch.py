@@ -47,6 +47,7 @@ pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")
 from ddp_lesson.bundled import script
 
 RESUME = script("resume.py")
+FIRST_RUN = script("first_run.py")
 
 
 def ranks_ready(run_dir, nproc=2, word="ready"):
@@ -439,6 +440,26 @@ def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
     import torch
     state = torch.load(ckpt, weights_only=True)
     assert state["epoch"] == 1 and "model" in state, sorted(state)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_restarts, agent_hosts", [(0, True), (1, False)])
+def test_who_hosts_the_ranks_store(tmp_run_dir, max_restarts, agent_hosts):
+    """00's fold on the two stores: by default torchrun's agent hosts the ranks' store, so
+    MASTER_PORT is a port the agent listens on, beside the rendezvous store's. With restarts the
+    launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts it, the agent does not
+    listen on MASTER_PORT, and torchrun says so in each rank's TORCHELASTIC_USE_AGENT_STORE."""
+    run = launch.start(FIRST_RUN, nproc=2, cpu=True, run_dir=tmp_run_dir, max_restarts=max_restarts)
+    try:
+        result = run.wait(timeout=90)
+    finally:
+        run.stop()
+    assert result is not None and result["status"] == "ok", result
+    rows = {r["rank"]: r for r in runs.load(tmp_run_dir).rows if "pid" in r}
+    assert sorted(rows) == [0, 1] and all(r["agent_store"] is agent_hosts for r in rows.values()), rows
+    port = int(rows[0]["store"].rsplit(":", 1)[1])
+    assert (port in rows[0]["agent_ports"]) is agent_hosts, rows[0]
+    assert [p for p in rows[0]["agent_ports"] if p != port], rows[0]   # the rendezvous store: always the agent's
 
 
 # -- issue 10: supervision, identity, run directories -----------------------------------------

@@ -105,13 +105,15 @@ def checkpoint_path():
 def log_process(step=0, **values):
     """One row about this rank's process, for 00's process-tree picture: its pid, its parent's
     (the torchrun agent) and the agent's parent (the kernel, or the warm process that forked
-    the agent for it), its local rank, the world size, the ranks' store and the ports the
-    agent listens on (the rendezvous store and, by default, the ranks' store too)."""
+    the agent for it), its local rank, the world size, the ranks' store, whether torchrun says
+    the agent hosts it (TORCHELASTIC_USE_AGENT_STORE; not with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    and the ports the agent listens on (the rendezvous store and, by default, the ranks' store)."""
     agent = os.getppid()
     log(step, pid=os.getpid(), parent=agent, agent_parent=parent_of(agent), program=program(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+        agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         agent_ports=listening_ports(agent), **values)
 
 
