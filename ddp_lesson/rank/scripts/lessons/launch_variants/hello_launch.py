@@ -1,8 +1,9 @@
 """torch.distributed.launch (deprecated: it warns since PyTorch 1.9, torchrun replaced it in 1.10;
 torch/distributed/launch.py still warns "The module torch.distributed.launch is deprecated"
-in 2.14, then runs torchrun underneath). Without --use-env it
-passes the local rank as a command-line argument (--local-rank, once --local_rank), which
-the script must parse; with --use-env (older spelling --use_env) it sets LOCAL_RANK like torchrun does.
+in 2.14, then runs torchrun underneath). It always sets LOCAL_RANK, as torchrun does.
+Without --use-env it also passes the local rank as a command-line argument (--local-rank,
+once --local_rank), which the script must then parse; --use-env (older spelling --use_env)
+drops that argument.
     python -m torch.distributed.launch --nproc-per-node 2 hello_launch.py          # argument
     python -m torch.distributed.launch --nproc-per-node 2 --use-env hello_launch.py  # environment
 """
