@@ -96,6 +96,20 @@ def test_process_tree_draws_two_stores_and_who_hosts_each():
     assert not touches(start, box_of(fig, "box:agent"))
 
 
+def test_process_tree_without_stores_draws_no_store_and_names_none():
+    # 00's section 2 draws the tree without stores, ports or the warm process (appendix F adds them)
+    fig = process_tree(111, 321, RANKS, run_dir="first_run-2")
+    a, t = arrows(fig), "\n".join(texts(fig))
+    assert drawn_ranks(fig) == [(r["rank"], r["local_rank"], r["pid"]) for r in RANKS]
+    assert {g for g in a if g.startswith("start:rank")} == {f"start:rank{r['rank']}" for r in RANKS}
+    assert not [g for g in a if g.startswith(("meet:", "hosts:"))], sorted(a)
+    assert not [p.get_gid() for ax in fig.axes for p in ax.patches if p.get_gid() in ("box:store", "box:rdzv")]
+    assert "store" not in t.lower() and "port" not in t and "warm" not in t, t
+    assert "who starts whom" in t and "first_run-2" in t
+    # with the stores, the legend names them
+    assert "meet at their store" in "\n".join(texts(process_tree(111, 321, RANKS, store="localhost:1")))
+
+
 @pytest.mark.parametrize("field", ["pid", "local_rank"])
 def test_process_tree_follows_a_planted_change_of_its_input(field):
     # the read-back sees the input: change one field of the data and the drawing changes with it

@@ -445,7 +445,7 @@ def test_max_restarts_resumes_from_checkpoint(tmp_run_dir, tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("max_restarts, agent_hosts", [(0, True), (1, False)])
 def test_who_hosts_the_ranks_store(tmp_run_dir, max_restarts, agent_hosts):
-    """00's fold on the two stores: by default torchrun's agent hosts the ranks' store, so
+    """00's fold on the two stores (appendix F): by default torchrun's agent hosts the ranks' store, so
     MASTER_PORT is a port the agent listens on, beside the rendezvous store's. With restarts the
     launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts it, the agent does not
     listen on MASTER_PORT, and torchrun says so in each rank's TORCHELASTIC_USE_AGENT_STORE."""

@@ -101,6 +101,33 @@ def test_first_run_step_one_check_catches_a_sum_instead_of_an_average(world, lr)
     assert "if step == 0" in check and "allclose(weights[0][0], alone" in check
 
 
+@pytest.mark.timeout(120)
+def test_00_check_says_why_the_weights_differ_without_the_all_reduce(tmp_path):
+    # step 6 of 00: the learner deletes the all_reduce line and runs the check cell; it fails on
+    # the weights with one sentence naming the step and the cause, not a bare tuple
+    from types import SimpleNamespace
+    from ddp_lesson import launch
+
+    text = FIRST_RUN.read_text()
+    line = next(l for l in text.splitlines(keepends=True) if "dist.all_reduce(p.grad)" in l)
+    planted = tmp_path / "first_run.py"
+    planted.write_text(text.replace(line, "").replace("LR = 0.1 ", "LR = 0.3 "))
+    run = launch.start(planted, nproc=2, cpu=True, run_dir=tmp_path / "run")
+    try:
+        result = run.wait(timeout=90)
+    finally:
+        run.stop()
+    check = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "cc6125a4")
+    ns = {"print": lambda *a, **k: None, "panel": SimpleNamespace(run_dir=run.run_dir), "result": result}
+    exec("from pathlib import Path\nimport torch\nfrom torch import nn\n", ns)
+    with pytest.raises(AssertionError) as failed:
+        exec(check, ns)
+    message = str(failed.value)
+    assert message.startswith("the ranks' weights differ at step 0: without the all_reduce each rank trains "
+                              "on its own shard only (rank 0: ["), message
+    assert "; rank 1: [" in message and len(message) < 300, message
+
+
 def test_first_run_shows_the_averaging_and_no_ddp_yet():
     text = FIRST_RUN.read_text()
     assert text.count("dist.all_reduce(") == 1 and "/= world" in text

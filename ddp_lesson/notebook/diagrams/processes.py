@@ -26,7 +26,8 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
     agent_pid: the torchrun agent it started; ranks: dicts with `rank`, `local_rank`, `pid`
     (and `parent`, the pid that started it, if known: it must be the agent). The node's local
     ranks are 0 .. n-1; its ranks are any n distinct ranks of the job, as on node 1 of 2;
-    store: "host:port" of the ranks' store, MASTER_ADDR:MASTER_PORT;
+    store: "host:port" of the ranks' store, MASTER_ADDR:MASTER_PORT; without it, as in 00's
+    section 2, the picture draws no store and its legend names none;
     agent_ports: the ports the agent listens on, if known. Then the ranks' store is the
     agent's when its port is one of them, else rank 0's; the agent's other port is the
     rendezvous store, where the agents meet (torch 2.14: DynamicRendezvousHandler);
@@ -111,8 +112,9 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
         arrow(ax, x + w / 2 + 0.02, 0.265, 0.82, 0.795, colour=grey, style="-|>")
         _tag(ax, f"flow:rank{r['rank']}->run_dir")
         ax.patches[-1].set_linestyle(":")
-    ax.text(0.5, 0.005, "black: who starts whom, and who hosts a store;  coloured: the ranks meet at "
-                        "their store;  dotted: logs and metrics written to files", ha="center",
+    legend = ("black: who starts whom" + (", and who hosts a store;  " if store or rdzv_ports else ";  ")
+              + ("coloured: the ranks meet at their store;  " if store else ""))
+    ax.text(0.5, 0.005, legend + "dotted: logs and metrics written to files", ha="center",
             fontsize=8, style="italic")
     fig.tight_layout()
     return fig

@@ -43,7 +43,7 @@ def main():
     torch.manual_seed(0)                                       # the same starting model on every rank
     model = torch.nn.Linear(2, 1).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    metrics.log_process(lr=LR)                                 # pids and ports, for section 2's picture
+    metrics.log_process(lr=LR)                                 # pids and ports, for the process-tree pictures
     for step in range(STEPS):
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
