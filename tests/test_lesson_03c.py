@@ -347,4 +347,4 @@ def test_padding_of_the_1003_test_images_is_at_most_5_at_1_to_8_ranks():
 def test_join_rule_is_in_the_lesson_text_not_only_in_a_fold():
     lesson = "\n".join(source(c) for c in cells()
                        if c["cell_type"] == "markdown" and not source(c).startswith("<details>"))
-    assert "with model.join():" in lesson and "model.join(throw_on_early_termination=True)" in lesson
+    assert "with model.join():" in lesson and "with model.join(throw_on_early_termination=True):" in lesson
