@@ -323,3 +323,28 @@ def test_twice_cell_measures_autograd_and_fails_when_the_all_reduce_is_seen_or_m
     # the recorded one is what makes the gradient right: the check's claim is about autograd
     ns = _run_twice_cell()
     assert torch.allclose(ns["reduced_by_hand"]([5, 5], recorded), ns["even"])
+
+
+def test_section_5_quotes_the_scripts_lines_that_matter():
+    # the script's cell is collapsed; the lesson text quotes its lines, so they must be the script's
+    text = source(next(c for c in cells() if c.get("id") == "c686473c"))
+    quoted = text.split("```python\n", 1)[1].split("```", 1)[0].splitlines()
+    lines = {line.strip() for line in script("loss_averaging.py").read_text().splitlines()}
+    mine = [q.strip() for q in quoted if q.strip() != "..."]
+    assert len(mine) == 6 and all(q in lines for q in mine), [q for q in mine if q not in lines]
+    for cell_id in ("4d514f39", "da005b13", "942695e9"):   # the script, the log check, the recount
+        assert next(c for c in cells() if c.get("id") == cell_id)["metadata"]["jupyter"]["source_hidden"]
+
+
+def test_padding_of_the_1003_test_images_is_at_most_5_at_1_to_8_ranks():
+    # 03c: the padded accuracy is close to the right one in section 5's run, since the sampler
+    # repeats at most 5 of the 1003 test images at any world size from 1 to 8
+    data = TensorDataset(torch.arange(1003))
+    repeats = [DistributedSampler(data, num_replicas=w, rank=0).total_size - 1003 for w in range(1, 9)]
+    assert max(repeats) == 5 and min(repeats) == 0, repeats
+
+
+def test_join_rule_is_in_the_lesson_text_not_only_in_a_fold():
+    lesson = "\n".join(source(c) for c in cells()
+                       if c["cell_type"] == "markdown" and not source(c).startswith("<details>"))
+    assert "with model.join():" in lesson and "with model.join(throw_on_early_termination=True):" in lesson

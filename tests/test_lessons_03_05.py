@@ -472,6 +472,29 @@ def test_04_compare_knows_a_run_unlike_the_reference_runs():
                                                           {**options, "lr": 0.1})
 
 
+def test_04_lesson_text_says_what_the_curve_check_asserts_and_the_draw_order():
+    # 04 cell 04-09 tells the learner: SyncBN's losses equal the one process's in the first 5
+    # steps within 1e-5, plain BN's first loss differs unless one rank, and SyncBN's line is drawn
+    # over the one process's. Each claim, held to the code it describes.
+    import inspect
+    text = "".join(next(c for c in json.loads((ROOT_NB / "04_sync_batchnorm.ipynb").read_text())["cells"]
+                        if c.get("id") == "04-09")["source"])
+    assert "first 5 steps" in text and "1e-5" in text and "drawn first and SyncBN's on top" in text
+    one = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4]
+    plain = [2.1] + one[1:]
+    near = [v + 9e-6 for v in one[:5]] + [v + 0.5 for v in one[5:]]   # agrees for 5 steps only
+    syncbn_compare.check_step_by_step(near, one, plain, 2)
+    with pytest.raises(AssertionError, match="SyncBN vs one process"):   # step 5 off by 2e-5
+        syncbn_compare.check_step_by_step(one[:4] + [one[4] + 2e-5] + one[5:], one, plain, 2)
+    with pytest.raises(AssertionError, match="equals plain BN"):          # plain BN's step 1 the same
+        syncbn_compare.check_step_by_step(one, one, one, 2)
+    syncbn_compare.check_step_by_step(one, one, one, 1)                   # one rank: not asserted
+    code = inspect.getsource(syncbn_compare.compare)
+    first = code.index('others = {f"1 process, batch')       # the one process first in `others`
+    assert first < code.index('f"DDP {world}x{b}, BN"') and code.index(
+        "for label, r in others.items():\n        ax.plot(") < code.index("ax.plot(steps, loss")
+
+
 @pytest.mark.parametrize("mistake", [None, "two seeds", "no set_epoch"])
 def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path, mistake):
     # 03 cell 03-06 checks the shards ddp_basic.py logs; here it meets each mistake, planted
