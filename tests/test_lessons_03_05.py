@@ -163,6 +163,62 @@ def test_03_diff_without_course_lines_is_only_what_makes_it_distributed(capsys):
     assert len(changed(out.splitlines())) <= 75      # the DDP lines and the docstring
 
 
+def test_show_script_without_course_lines_is_the_script_less_exactly_those(capsys):
+    # 03 cell 03-diff prints ddp_basic.py this way: every other line, DDP ones included, stays
+    from ddp_lesson.notebook import lesson
+    path = script("ddp_basic.py")
+    lines = path.read_text().splitlines()
+    lesson.show_script(path, course=False)
+    out = capsys.readouterr().out.splitlines()
+    hidden = [l for l in lines if lesson.course_line(l)]
+    assert out[:len(lines) - len(hidden)] == [l for l in lines if not lesson.course_line(l)]
+    assert not any(lesson.course_line(l) for l in out)
+    assert sum("# DDP" in l for l in out) == sum("# DDP" in l for l in lines) >= 15
+    assert f"left out: {len(hidden)}." in out[-1]
+    lesson.show_script(path)                                  # course=True: the file as it is
+    assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_03_listing_is_the_plain_script_and_names_its_hidden_lines():
+    # 03 shows ddp_basic.py without its `# course` lines and says how many it hid
+    from ddp_lesson.notebook import lesson
+    cells = {c["id"]: "".join(c["source"])
+             for c in json.loads((ROOT_NB / "03_ddp_torchrun.ipynb").read_text())["cells"]}
+    assert 'show_script(script("ddp_basic.py"), course=False)' in cells["03-diff"]
+    hidden = sum(map(lesson.course_line, script("ddp_basic.py").read_text().splitlines()))
+    assert f"The listing leaves out the script's {hidden} lines marked `# course`" in cells["03-diff2"]
+    plain = [l for l in script("ddp_basic.py").read_text().splitlines() if not lesson.course_line(l)]
+    for later in ("03b's", "buffer rule", "comm hook", "StepTimer", "timer", "slow", "shard="):
+        assert not any(later in l for l in plain), later  # nothing the learner meets only later
+
+
+def test_ddp_basic_without_its_course_lines_trains_the_same(tmp_path):
+    # its docstring and 03 say the `# course` lines are not needed: without them (no StepTimer,
+    # so DDP's built-in all-reduce) the script runs and ends with the same weights, to float rounding
+    import torch
+    from ddp_lesson import runs
+    from ddp_lesson.notebook import lesson
+    full = script("ddp_basic.py")
+    plain = tmp_path / "plain.py"
+    plain.write_text("\n".join(l for l in full.read_text().splitlines() if not lesson.course_line(l)) + "\n")
+    started = {name: launch.start(path, nproc=2, cpu=True, run_dir=tmp_path / name, args=TINY)
+               for name, path in (("full", full), ("plain", plain))}
+    try:
+        for name, run in started.items():
+            result = run.wait(timeout=300)
+            assert result and result["status"] == "ok", (name, result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
+    finally:
+        for run in started.values():
+            run.stop()
+    rows = {name: runs.load(tmp_path / name).rows for name in started}
+    assert any("compute_s" in r for r in rows["full"]) and not any("compute_s" in r for r in rows["plain"])
+    assert any("shard" in r for r in rows["full"]) and not any("shard" in r for r in rows["plain"])
+    weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in started}
+    assert weights["full"].keys() == weights["plain"].keys()
+    diff = max((weights["full"][k].float() - weights["plain"][k].float()).abs().max().item() for k in weights["full"])
+    assert diff < 1e-5, diff
+
+
 def test_course_false_counts_both_scripts_hidden_lines_and_the_ones_gone(capsys, tmp_path):
     # 05's diff must not hide silently that ddp_accum.py dropped ddp_syncbn.py's straggler lines
     from ddp_lesson.notebook import lesson

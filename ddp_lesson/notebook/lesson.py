@@ -8,6 +8,7 @@
     amp = written(run, "amp.json")              # reads it as soon as it is written (a --then chain)
     show_diff("ddp_basic.py", "work/ddp_syncbn.py")
     show_diff("train_single.py", script("ddp_basic.py"), course=False)  # hides the `# course` lines
+    show_script(script("ddp_basic.py"), course=False)   # the script itself, without its `# course` lines
     show(fig)                                   # display a figure once and close it
     ring = load_script("work/ring_allreduce.py")  # a module you edit, loaded afresh
 """
@@ -111,6 +112,22 @@ def show_diff(old, new, context=1, course=True):
         print(f"\n(Lines marked `# course` left out: {len(ours)} of {old}'s, {len(theirs)} of "
               f"{name}'s{removed}. They are the course's own timing and logging; the scripts "
               f"have them all.)")
+
+
+def script_lines(path, course=True):
+    """The lines of the script file `path`; course=False leaves out its `# course` lines."""
+    lines = Path(path).read_text().splitlines()
+    return lines if course else [line for line in lines if not course_line(line)]
+
+
+def show_script(path, course=True):
+    """Print the script file `path` whole, such as script("ddp_basic.py"). course=False leaves
+    out the lines marked `# course` and says how many it left out."""
+    print("\n".join(script_lines(path, course)))
+    if not course:
+        hidden = len(script_lines(path)) - len(script_lines(path, course=False))
+        print(f"\n(Lines marked `# course` left out: {hidden}. They are the course's own timing and "
+              f"logging; the script has them all, and show_script without course=False prints them.)")
 
 
 def show(fig):

@@ -2,8 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
 Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
-own plumbing, not needed in your code: without the three lines that use `timer`, DDP's
-built-in averaging runs instead, with the same result to float rounding.
+own timing and logging, not needed in your code: without them it trains the same, to float rounding.
 """
 import argparse
 import os
@@ -37,9 +36,8 @@ def parse_args():
 
 def evaluate(model, test_set, rank, world_size, device):
     # DDP: a plain split rank::world_size counts every test sample once; a DistributedSampler
-    # would pad it with duplicates. model(x) is DDP's forward: its first call here may send
-    # rank 0's buffers to every rank (03b's buffer rule). That is a collective, so every rank
-    # needs at least one test batch; without one the others hang, or on gloo abort.
+    # would pad it with duplicates. Every rank needs at least one test batch: DDP's forward,
+    # model(x), may run a collective, and without a batch the others hang, or on gloo abort.
     shard = Subset(test_set, range(rank, len(test_set), world_size))
     model.eval()
     counts = torch.zeros(2, device=device)  # [correct, seen] on this rank
@@ -59,8 +57,7 @@ def main():
     rank = int(os.environ["RANK"])                # DDP: global rank, set by torchrun
     local_rank = int(os.environ["LOCAL_RANK"])    # DDP: rank on this machine -> which GPU
     world_size = int(os.environ["WORLD_SIZE"])    # DDP: number of processes in the job
-    # MASTER_ADDR:MASTER_PORT (set by torchrun): a key-value store (TCPStore) that the torchrun
-    # agent on the first machine (node 0) starts for this job; init_process_group meets the other ranks there.
+    # DDP: init_process_group meets the other ranks at the store MASTER_ADDR:MASTER_PORT, set by torchrun
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP: nccl on GPUs, gloo on CPUs
     if use_cuda:

@@ -1,7 +1,7 @@
 """Notebook 03's starting point: a plain single-process training script, no DDP.
 
     python train_single.py --epochs 2
-Notebook 03 shows the diff from this script to ddp_basic.py: those lines are DDP.
+Notebook 03 shows ddp_basic.py, this script made distributed; show_diff prints the lines that differ.
 """
 import argparse
 import time
