@@ -192,6 +192,18 @@ def test_03_listing_is_the_plain_script_and_names_its_hidden_lines():
         assert not any(later in l for l in plain), later  # nothing the learner meets only later
 
 
+def _all_ok(started, timeout):
+    """Wait for every run of {name: run} to end ok (its stderr tail if not); stop them all anyway."""
+    from ddp_lesson import runs
+    try:
+        for name, run in started.items():
+            result = run.wait(timeout=timeout)
+            assert result and result["status"] == "ok", (name, result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
+    finally:
+        for run in started.values():
+            run.stop()
+
+
 def test_ddp_basic_without_its_course_lines_trains_the_same(tmp_path):
     # its docstring and 03 say the `# course` lines are not needed: without them (no StepTimer,
     # so DDP's built-in all-reduce) the script runs and ends with the same weights, to float rounding
@@ -203,13 +215,7 @@ def test_ddp_basic_without_its_course_lines_trains_the_same(tmp_path):
     plain.write_text("\n".join(l for l in full.read_text().splitlines() if not lesson.course_line(l)) + "\n")
     started = {name: launch.start(path, nproc=2, cpu=True, run_dir=tmp_path / name, args=TINY)
                for name, path in (("full", full), ("plain", plain))}
-    try:
-        for name, run in started.items():
-            result = run.wait(timeout=300)
-            assert result and result["status"] == "ok", (name, result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
-    finally:
-        for run in started.values():
-            run.stop()
+    _all_ok(started, timeout=300)
     rows = {name: runs.load(tmp_path / name).rows for name in started}
     assert any("compute_s" in r for r in rows["full"]) and not any("compute_s" in r for r in rows["plain"])
     assert any("shard" in r for r in rows["full"]) and not any("shard" in r for r in rows["plain"])
@@ -495,13 +501,7 @@ def test_04_step_by_step_check_rejects_a_script_that_never_converts(tmp_path):
                                    args=opts),
                "planted": launch.start(planted, nproc=2, cpu=True, run_dir=tmp_path / "planted",
                                        args=opts + ["--sync-bn"])}
-    try:
-        for name, run in started.items():
-            result = run.wait(timeout=400)
-            assert result and result["status"] == "ok", (name, result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
-    finally:
-        for run in started.values():
-            run.stop()
+    _all_ok(started, timeout=400)
     ref = json.loads((tmp_path / "ref" / "reference_runs.json").read_text())
     _, (_, loss) = plots.series(runs.load(started["planted"].run_dir).rows, "loss")
     cell = next(c for c in json.loads((ROOT_NB / "04_sync_batchnorm.ipynb").read_text())["cells"]
