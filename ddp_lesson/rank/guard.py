@@ -48,6 +48,8 @@ AGENT_ENV = "DDP_LESSON_AGENT_PID"   # a rank's expected parent: the torchrun ag
 AGENT_TEARDOWN_S = 15                # after its parent died, torchrun's teardown gets this long
 STACK_SIGNAL = signal.SIGUSR1
 FORKED_ENV = "DDP_LESSON_FORKED"     # set by a warm launch: ranks are forked, not started
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+_launch_nvml_check = None             # a warm agent's: the launch's own value, for its ranks
 
 
 def _prctl(option, value):
@@ -310,6 +312,16 @@ def fresh_stdio():
                                   write_through=True, errors="backslashreplace")
 
 
+def count_gpus_without_cuda():
+    """In a warm launch's agent, before torchrun runs: its LaunchConfig asks
+    torch.accelerator.is_available(), which poisons fork unless NVML_CHECK is "1", and the
+    ranks are forks of this agent. A poisoned rank could not use its GPU ("Cannot
+    re-initialize CUDA in forked subprocess"). Each forked rank takes the launch's value back."""
+    global _launch_nvml_check
+    _launch_nvml_check = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+
+
 def forked():
     """Is this rank a forked worker of a warm launch (not a fresh interpreter)?"""
     return os.environ.get(FORKED_ENV) == "1"
@@ -319,6 +331,10 @@ def _shed_inheritance():
     """What a forked rank must not keep from the process it was forked from."""
     restore_signals()
     atexit._clear()  # the warm process's handlers are not the script's
+    if _launch_nvml_check is None:   # the launch's environment, as a cold rank gets it
+        os.environ.pop(NVML_CHECK, None)
+    else:
+        os.environ[NVML_CHECK] = _launch_nvml_check
     # inherited file objects are not flushed at the end: their buffers hold the agent's
     # output (it would come out twice) and their locks may be held by a thread not here
     _inherited_files.update(o for o in gc.get_objects() if issubclass(type(o), io.IOBase))

@@ -114,7 +114,14 @@ def log_process(step=0, **values):
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
         agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        agent_ports=listening_ports(agent), **values)
+        agent_ports=listening_ports(agent), bad_fork=bad_fork(), **values)
+
+
+def bad_fork():
+    """Whether torch says this process is a fork of one that asked CUDA's runtime: then it
+    cannot use a GPU. Always so on a machine without a driver, where nothing uses CUDA."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda._is_in_bad_fork())
 
 
 def program():

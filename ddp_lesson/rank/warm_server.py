@@ -106,6 +106,7 @@ def _become_agent(req, warm_pid, inherited, fds):
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        guard.count_gpus_without_cuda()   # the ranks are forks of this agent: keep CUDA usable in them
         guard.publish_environ()   # the run's identity, where procs and cleanup look for it
         # `python -m torch.distributed.run` runs that module once, as __main__: so does this
         sys.modules.pop("torch.distributed.run", None)
