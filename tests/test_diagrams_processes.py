@@ -54,10 +54,11 @@ RANKS = [{"rank": r, "local_rank": r, "pid": 4000 + 7 * r, "parent": 321} for r 
 NODE1 = [{"rank": 4 + i, "local_rank": i, "pid": 5000 + 3 * i, "parent": 321} for i in range(4)]
 
 
+@pytest.mark.parametrize("warm_pid", [None, 4242])
 @pytest.mark.parametrize("ranks, world", [(RANKS, None), (NODE1, 8)])
-def test_process_tree_draws_every_rank_with_its_pid_and_the_agent_starting_it(ranks, world):
+def test_process_tree_draws_every_rank_with_its_pid_and_the_agent_starting_it(ranks, world, warm_pid):
     fig = process_tree(111, 321, ranks, store="127.0.0.1:45678", run_dir="first_run-2",
-                       agent_ports=[45678, 39001], world_size=world)
+                       agent_ports=[45678, 39001], world_size=world, warm_pid=warm_pid)
     assert drawn_ranks(fig) == [(r["rank"], r["local_rank"], r["pid"]) for r in ranks]
     all_text = "\n".join(texts(fig))
     assert "pid 111" in all_text and "pid 321" in all_text and "127.0.0.1:45678" in all_text
@@ -76,8 +77,9 @@ def test_process_tree_draws_every_rank_with_its_pid_and_the_agent_starting_it(ra
         assert not touches(end, agent) and not touches(end, rdzv), r
         start, end = a[f"flow:rank{r}->run_dir"]
         assert touches(start, box_of(fig, f"box:rank{r}")) and touches(end, box_of(fig, "box:run_dir"))
-    start, end = a["start:agent"]
-    assert touches(start, box_of(fig, "box:kernel")) and touches(end, agent)
+    start, end = a["start:agent"]   # the agent's parent: the kernel, or the warm process it started
+    parent = box_of(fig, "box:kernel" if warm_pid is None else "box:warm")
+    assert touches(start, parent) and touches(end, agent)
 
 
 def test_process_tree_draws_two_stores_and_who_hosts_each():
@@ -96,15 +98,17 @@ def test_process_tree_draws_two_stores_and_who_hosts_each():
     assert not touches(start, box_of(fig, "box:agent"))
 
 
-def test_process_tree_without_stores_draws_no_store_and_names_none():
-    # 00's section 2 draws the tree without stores, ports or the warm process (appendix F adds them)
-    fig = process_tree(111, 321, RANKS, run_dir="first_run-2")
+@pytest.mark.parametrize("warm_pid", [None, 4242])
+def test_process_tree_without_stores_draws_no_store_and_names_none(warm_pid):
+    # 00's section 2 draws the tree without stores or ports (appendix F adds them), with the
+    # warm process when the run was warm
+    fig = process_tree(111, 321, RANKS, run_dir="first_run-2", warm_pid=warm_pid)
     a, t = arrows(fig), "\n".join(texts(fig))
     assert drawn_ranks(fig) == [(r["rank"], r["local_rank"], r["pid"]) for r in RANKS]
     assert {g for g in a if g.startswith("start:rank")} == {f"start:rank{r['rank']}" for r in RANKS}
     assert not [g for g in a if g.startswith(("meet:", "hosts:"))], sorted(a)
     assert not [p.get_gid() for ax in fig.axes for p in ax.patches if p.get_gid() in ("box:store", "box:rdzv")]
-    assert "store" not in t.lower() and "port" not in t and "warm" not in t, t
+    assert "store" not in t.lower() and not re.search(r"\bports?\b", t) and ("warm" in t) == (warm_pid is not None), t
     assert "who starts whom" in t and "first_run-2" in t
     # with the stores, the legend names them
     assert "meet at their store" in "\n".join(texts(process_tree(111, 321, RANKS, store="localhost:1")))
@@ -190,8 +194,25 @@ def test_cuda_renumbering_is_not_the_identity():
     assert "map:2->0" in a and "map:3->1" in a and "map:2->2" not in a
 
 
-def test_process_tree_says_which_warm_process_forked_the_agent():
-    cold = " ".join(texts(process_tree(111, 321, RANKS)))
-    warm = " ".join(texts(process_tree(111, 321, RANKS, warm_pid=4242)))
-    assert "4242" in warm and "forks the agent" in warm
-    assert "4242" not in cold and "forks the agent" not in cold
+def gids(fig):
+    return {p.get_gid() for ax in fig.axes for p in ax.patches if p.get_gid()}
+
+
+def test_process_tree_draws_the_warm_process_between_the_kernel_and_the_agent():
+    # a warm run: kernel -> warm process -> agent, the warm process a box of its own with its pid
+    fig = process_tree(111, 321, RANKS, warm_pid=4242)
+    a, t = arrows(fig), texts(fig)
+    assert "box:warm" in gids(fig) and "warm process\npid 4242\ntorch imported" in t
+    kernel, warm, agent = box_of(fig, "box:kernel"), box_of(fig, "box:warm"), box_of(fig, "box:agent")
+    start, end = a["start:warm"]
+    assert touches(start, kernel) and touches(end, warm) and not touches(end, agent)
+    start, end = a["start:agent"]
+    assert touches(start, warm) and touches(end, agent) and not touches(start, kernel)
+    assert warm[1] > agent[3] and kernel[1] > warm[3]          # drawn between them, top to bottom
+    assert "forks the agent" in " ".join(t)
+    # a cold run: no warm process, the kernel starts the agent itself
+    cold = process_tree(111, 321, RANKS)
+    assert "box:warm" not in gids(cold) and "start:warm" not in arrows(cold)
+    assert not any("4242" in x or "forks the agent" in x or "warm" in x for x in texts(cold))
+    start, end = arrows(cold)["start:agent"]
+    assert touches(start, box_of(cold, "box:kernel"))

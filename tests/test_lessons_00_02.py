@@ -101,6 +101,58 @@ def test_first_run_step_one_check_catches_a_sum_instead_of_an_average(world, lr)
     assert "if step == 0" in check and "allclose(weights[0][0], alone" in check
 
 
+def _losses_by_rank(script, world, lr):
+    """[step][rank]: each rank's loss on its own shard as first_run.py logs it, before the
+    step's update. The ranks hold one process's weights on all the data (tested above), so one
+    process trains them here."""
+    x, y = script.make_data()
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(script.STEPS):
+        with torch.no_grad():
+            out.append([F.mse_loss(model(xs), ys).item() for xs, ys in zip(x.chunk(world), y.chunk(world))])
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_00_step_one_says_what_the_plot_shows(world):
+    # step 1 of 00: the curves look flat on the plot's linear scale once every rank's loss is
+    # below 2% of the plot's top (the largest step-0 loss): after about 3 steps at LR 0.3, about
+    # 10 at LR 0.1. Every rank gets within twice the floor, 0.02, after 5 steps at LR 0.3 and
+    # 17 to 20 at LR 0.1, and both end near 0.01
+    text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "3daec51a")
+    assert "a loss of about 0.01" in text
+    assert "look flat after about 3 steps at LR 0.3, and after about 10 at LR 0.1" in text
+    assert "within twice the floor after 5 steps at LR 0.3, and after 17 to 20 at LR 0.1" in text
+    script = load_script(FIRST_RUN)
+    near = {}
+    for lr, flat_steps, near_steps in ((0.3, range(2, 5), range(0, 6)), (0.1, range(9, 12), range(17, 21))):
+        losses = _losses_by_rank(script, world, lr)
+        top = max(losses[0])
+        flat = next(s for s, ls in enumerate(losses) if max(ls) < 0.02 * top)
+        near[lr] = next(s for s, ls in enumerate(losses) if max(ls) < 2 * 0.01)
+        assert flat in flat_steps and near[lr] in near_steps, (lr, flat, near[lr])
+        assert all(0.005 < l < 0.015 for l in losses[-1]), (lr, losses[-1])   # the floor, about 0.01
+    assert near[0.1] > 3 * near[0.3]          # still falling long after it looks flat at LR 0.1
+
+
+def test_00_the_panel_line_of_30_steps_is_the_plain_mean():
+    # 00 says the thick line is averaged over neighbouring steps only on runs of 40 steps or
+    # more, so first_run.py's line is the plain mean over ranks
+    from ddp_lesson.notebook.plots import smooth
+    text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "3daec51a")
+    assert "On a run of 40 steps or more" in text and "the line is the plain average" in text
+    ys = [float((7 * i) % 11) for i in range(60)]
+    assert load_script(FIRST_RUN).STEPS < 40
+    assert all(smooth(ys[:n]) == ys[:n] for n in range(1, 40))
+    assert smooth(ys[:40]) != ys[:40]
+
+
 @pytest.mark.timeout(120)
 def test_00_check_says_why_the_weights_differ_without_the_all_reduce(tmp_path):
     # step 6 of 00: the learner deletes the all_reduce line and runs the check cell; it fails on

@@ -33,7 +33,9 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
     rendezvous store, where the agents meet (torch 2.14: DynamicRendezvousHandler);
     run_dir: the run directory's name, where logs and metrics flow back to the kernel;
     world_size: the job's, when this node holds only some of its ranks;
-    warm_pid: the warm process that forked the agent for the kernel (a warm launch), if any."""
+    warm_pid: the warm process, if the launch was warm: the kernel started it before the run,
+    with torch already imported, and it forked the agent. The picture then draws it as a box
+    between the kernel and the agent; without it the kernel starts the agent itself."""
     ranks = sorted(ranks, key=lambda r: r["rank"])
     numbers = [r["rank"] for r in ranks]
     if len(set(numbers)) != len(numbers) or min(numbers, default=0) < 0:
@@ -51,31 +53,45 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
     port = int(store.rsplit(":", 1)[1]) if store else None
     rdzv_ports = [p for p in agent_ports or () if p != port]
     store_host = None if agent_ports is None else "agent" if port in agent_ports else "rank 0"
-    fig = Figure(figsize=(max(8.0, 1.6 * n + 3.5), 5.4))
+    # a warm launch adds a band for the warm process between the kernel and the agent: the
+    # canvas grows by `lift` at the top, and the kernel and the run directory move up with it
+    lift = 0.0 if warm_pid is None else 0.24
+    fig = Figure(figsize=(max(8.0, 1.6 * n + 3.5), 5.4 * (1 + lift)))
     ax = fig.subplots()
     title = f"the process tree of a run: world size {world_size}"
     blank(ax, title if world_size == n else title + f", {n} rank(s) on this node")
+    ax.set_ylim(0, 1 + lift)
     grey = "#8C8C8C"
 
     # the kernel, top left; the run directory, top right
-    box(ax, 0.02, 0.80, 0.36, 0.14, f"Jupyter kernel (this notebook)\npid {kernel_pid}\n"
-                                    "ddp_lesson supervises the run", grey)
+    top = 0.80 + lift
+    box(ax, 0.02, top, 0.36, 0.14, f"Jupyter kernel (this notebook)\npid {kernel_pid}\n"
+                                   "ddp_lesson supervises the run", grey)
     _tag(ax, "box:kernel")
-    box(ax, 0.66, 0.80, 0.32, 0.14, f"run directory\n{run_dir or 'runs/...'}\nlogs/   metrics/", grey,
+    box(ax, 0.66, top, 0.32, 0.14, f"run directory\n{run_dir or 'runs/...'}\nlogs/   metrics/", grey,
         alpha=0.1)
     _tag(ax, "box:run_dir")
-    arrow(ax, 0.66, 0.87, 0.39, 0.87, colour=grey, text=None)
+    arrow(ax, 0.66, top + 0.07, 0.39, top + 0.07, colour=grey, text=None)
     _tag(ax, "flow:run_dir->kernel")
-    ax.text(0.525, 0.89, "the kernel reads them", ha="center", fontsize=8)
+    ax.text(0.525, top + 0.09, "the kernel reads them", ha="center", fontsize=8)
+
+    # a warm launch: the kernel started the warm process before the run; it forks the agent
+    if warm_pid is not None:
+        box(ax, 0.04, 0.78, 0.26, 0.14, f"warm process\npid {warm_pid}\ntorch imported", grey, alpha=0.15)
+        _tag(ax, "box:warm")
+        arrow(ax, 0.17, top, 0.17, 0.925)
+        _tag(ax, "start:warm")
+        ax.text(0.18, (top + 0.925) / 2, "started it once, ahead of the runs", fontsize=8, va="center")
 
     # the agent, and the stores: the agents' rendezvous store, the ranks' store
     box(ax, 0.04, 0.50, 0.26, 0.14, f"torchrun agent\npid {agent_pid}\none per node (machine)", "black",
         alpha=0.08)
     _tag(ax, "box:agent")
-    arrow(ax, 0.17, 0.80, 0.17, 0.645)
+    parent_y = top if warm_pid is None else 0.78
+    arrow(ax, 0.17, parent_y, 0.17, 0.645)
     _tag(ax, "start:agent")
-    ax.text(0.18, 0.72, "starts" if warm_pid is None else
-            f"asks its warm process\n(pid {warm_pid}, torch imported),\nwhich forks the agent", fontsize=8)
+    ax.text(0.18, (parent_y + 0.645) / 2, "starts" if warm_pid is None else "forks the agent",
+            fontsize=8, va="center")
     if rdzv_ports:
         box(ax, 0.35, 0.60, 0.28, 0.10, "rendezvous store: the agents meet\nport "
             + ", ".join(map(str, rdzv_ports)), "black", alpha=0.03, fontsize=8)
@@ -109,7 +125,7 @@ def process_tree(kernel_pid, agent_pid, ranks, store=None, run_dir=None, agent_p
             arrow(ax, x + w * 0.2, 0.265, 0.38, 0.395, style="-")
             _tag(ax, "hosts:store")
             ax.text(x + w * 0.2 + 0.02, 0.30, "hosts", fontsize=7)
-        arrow(ax, x + w / 2 + 0.02, 0.265, 0.82, 0.795, colour=grey, style="-|>")
+        arrow(ax, x + w / 2 + 0.02, 0.265, 0.82, top - 0.005, colour=grey, style="-|>")
         _tag(ax, f"flow:rank{r['rank']}->run_dir")
         ax.patches[-1].set_linestyle(":")
     legend = ("black: who starts whom" + (", and who hosts a store;  " if store or rdzv_ports else ";  ")
