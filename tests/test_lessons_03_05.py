@@ -24,7 +24,7 @@ The pictures of those cells are tested in tests/test_diagrams_collectives.py.
   03-08, ddp_syncbn.py 04 cell 04-11, ddp_accum.py with a partial window 05 cell 05-07.
 What stays: the scripts' source (small diffs, every DDP line shown), argparse, the one launcher
 variant 03 does not run, the single-process starting script (and its early loss climb at 03's lr,
-which 03 says is not DDP's doing), the CPU
+which 03 says is not DDP's doing), the numbers 03b's lr section relates to 03's run, the CPU
 SyncBN stand-in, and syncbn_stats.py's copy of ddp_syncbn.py's loop (at one rank, in one plain
 process)."""
 import difflib
@@ -256,6 +256,28 @@ def test_03_loss_climb_comes_from_the_lr_not_from_ddp(tmp_path):
     cells = {k: "".join(c["source"]) for k, c in _cells03().items()}
     panel = cells["03-05"]
     assert '"batch-size": 32' in panel and '"lr": 0.05' in panel            # the settings tested here
+
+
+def test_03b_relates_its_lr_experiment_to_03s_run():
+    # 03b's sentence: 03's lr 0.05 is half the full linear lr, and at 2 ranks its global batch of
+    # 64 is half the experiment's, so the lr per sample is the same
+    import re
+    nb03 = {k: "".join(c["source"]) for k, c in _cells03().items()}
+    nb03b = {c["id"]: "".join(c["source"])
+             for c in json.loads((ROOT_NB / "03b_ddp_equals_one_process.ipynb").read_text())["cells"]}
+    lr03 = float(re.search(r'"lr": ([0-9.]+)', nb03["03-05"]).group(1))
+    batch03 = int(re.search(r'"batch-size": (\d+)', nb03["03-05"]).group(1))
+    base_batch, base_lr, per_device, world = eval(
+        re.search(r"base_batch, base_lr, per_device, world = (.*)", nb03b["03-17"]).group(1))
+    global_b = per_device * world
+    lr_linear = base_lr * global_b / base_batch
+    assert lr03 == 0.05 and lr_linear == 2 * lr03 and global_b == 2 * (2 * batch03)
+    assert lr03 / (2 * batch03) == lr_linear / global_b                       # the same lr per sample
+    text = " ".join(nb03b["03-18"].split())
+    assert "Notebook 03's run used lr 0.05, half this full lr, and at 2 ranks a global batch of 64" in text
+    epochs, samples = eval(re.search(r"epochs, samples = ([0-9, ]+)", nb03b["03-17"]).group(1))
+    assert epochs * (samples // global_b) == 16 and "64 steps or more, not 16" in text   # 03 takes >= 64
+    assert "max(s for s, _ in rec.series(\"loss\", rank=0)) >= 64" in nb03["03-06"]
 
 
 def _all_ok(started, timeout):
