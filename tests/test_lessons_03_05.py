@@ -23,8 +23,10 @@ The pictures of those cells are tested in tests/test_diagrams_collectives.py.
 - the lesson scripts train, log per rank and save model.pt: ddp_basic.py 03 cells 03-06 and
   03-08, ddp_syncbn.py 04 cell 04-11, ddp_accum.py with a partial window 05 cell 05-07.
 What stays: the scripts' source (small diffs, every DDP line shown), argparse, the one launcher
-variant 03 does not run, the single-process starting script, the CPU SyncBN stand-in, and
-syncbn_stats.py's copy of ddp_syncbn.py's loop (at one rank, in one plain process)."""
+variant 03 does not run, the single-process starting script (and its early loss climb at 03's lr,
+which 03 says is not DDP's doing), the numbers 03b's lr section relates to 03's run, the CPU
+SyncBN stand-in, and syncbn_stats.py's copy of ddp_syncbn.py's loop (at one rank, in one plain
+process)."""
 import difflib
 import json
 import os
@@ -164,7 +166,7 @@ def test_03_diff_without_course_lines_is_only_what_makes_it_distributed(capsys):
 
 
 def test_show_script_without_course_lines_is_the_script_less_exactly_those(capsys):
-    # 03 cell 03-diff prints ddp_basic.py this way: every other line, DDP ones included, stays
+    # 03 cell 03-full shows ddp_basic.py this way, in a fold: every other line, DDP ones included, stays
     from ddp_lesson.notebook import lesson
     path = script("ddp_basic.py")
     lines = path.read_text().splitlines()
@@ -179,17 +181,103 @@ def test_show_script_without_course_lines_is_the_script_less_exactly_those(capsy
     assert capsys.readouterr().out.splitlines() == lines
 
 
-def test_03_listing_is_the_plain_script_and_names_its_hidden_lines():
-    # 03 shows ddp_basic.py without its `# course` lines and says how many it hid
+def test_show_script_in_a_fold_is_the_same_listing_in_a_closed_details(monkeypatch, capsys):
+    # 03 cell 03-full: the whole script, without its `# course` lines, behind one click
+    import html
+    import IPython.display
     from ddp_lesson.notebook import lesson
-    cells = {c["id"]: "".join(c["source"])
-             for c in json.loads((ROOT_NB / "03_ddp_torchrun.ipynb").read_text())["cells"]}
-    assert 'show_script(script("ddp_basic.py"), course=False)' in cells["03-diff"]
-    hidden = sum(map(lesson.course_line, script("ddp_basic.py").read_text().splitlines()))
-    assert f"The listing leaves out the script's {hidden} lines marked `# course`" in cells["03-diff2"]
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append((obj, raw)))
+    path = script("ddp_basic.py")
+    lesson.show_script(path, course=False)
+    printed = capsys.readouterr().out.rstrip("\n")
+    lesson.show_script(path, course=False, fold="the <whole> script")
+    assert capsys.readouterr().out == "" and len(shown) == 1      # displayed, not printed
+    (bundle, raw), = shown
+    assert raw and bundle["text/plain"] == printed                  # the same text as the printed listing
+    page = bundle["text/html"]
+    assert page.startswith("<details><summary>the &lt;whole&gt; script</summary><pre>")   # closed: no `open`
+    assert page.endswith("</pre></details>") and "<details open" not in page
+    assert html.unescape(page[page.index("<pre>") + 5:page.index("</pre>")]) == printed
+    assert "&lt;" in page or "<" not in printed                    # the script's text is escaped
+
+
+def _cells03():
+    return {c["id"]: c for c in json.loads((ROOT_NB / "03_ddp_torchrun.ipynb").read_text())["cells"]}
+
+
+def test_03_listing_is_the_diff_from_one_process_with_every_ddp_line(capsys):
+    # 03's main listing is the diff from train_single.py, without `# course` lines; it shows every
+    # `# DDP` line as added, says how many `# course` lines it hid, and names nothing met only later
+    from ddp_lesson.notebook import lesson
+    cells = {k: "".join(c["source"]) for k, c in _cells03().items()}
+    call = 'show_diff("train_single.py", script("ddp_basic.py"), course=False)'
+    assert call in cells["03-diff"] and "show_script(script(" not in cells["03-diff"]
+    lesson.show_diff("train_single.py", script("ddp_basic.py"), course=False)   # as the cell calls it
+    out = capsys.readouterr().out.splitlines()
+    added = [l[1:] for l in out if l.startswith("+") and not l.startswith("+++")]
     plain = [l for l in script("ddp_basic.py").read_text().splitlines() if not lesson.course_line(l)]
+    ddp = [l for l in plain if "# DDP" in l]
+    assert len(ddp) >= 15 and [l for l in added if "# DDP" in l] == ddp   # every DDP line, in order
+    assert not any(lesson.course_line(l) for l in out)
+    hidden = sum(map(lesson.course_line, script("ddp_basic.py").read_text().splitlines()))
+    assert f"The diff leaves out the script's {hidden} lines marked `# course`" in cells["03-diff2"]
+    assert "`+` are what DDP adds" in cells["03-diff2"] and "`-` what it removes" in cells["03-diff2"]
+    shown = [l[1:] for l in out if l[:1] in " +-" and not l.startswith(("+++", "---"))]
     for later in ("03b's", "buffer rule", "comm hook", "StepTimer", "timer", "slow", "shard="):
-        assert not any(later in l for l in plain), later  # nothing the learner meets only later
+        assert not any(later in l for l in shown), later  # nothing the learner meets only later
+        assert not any(later in l for l in plain), later  # nor in the whole listing of 03-full
+
+
+def test_03_whole_listing_is_right_after_the_diff_in_a_collapsed_cell():
+    ids = list(_cells03())
+    full = _cells03()["03-full"]
+    assert ids.index("03-full") == ids.index("03-diff2") + 1 == ids.index("03-diff") + 2
+    assert full["metadata"]["jupyter"]["source_hidden"] is True
+    assert 'show_script(script("ddp_basic.py"), course=False,' in "".join(full["source"])
+    assert "fold=" in "".join(full["source"])
+
+
+def test_03_loss_climb_comes_from_the_lr_not_from_ddp(tmp_path):
+    # 03 says the loss may climb above its start in the first steps, and that train_single.py,
+    # one process without DDP, climbs too at 03's settings (lr 0.05, batch 32): the lr overshoots.
+    # At a quarter of that lr the same steps, from the same start, do not climb far.
+    from ddp_lesson import runs
+    started = {lr: launch.start(script("train_single.py"), nproc=1, cpu=True, run_dir=tmp_path / str(lr),
+                                args=["--epochs", "1", "--batch-size", "32", "--train-samples", "512",
+                                      "--lr", str(lr)])
+               for lr in (0.05, 0.0125)}
+    _all_ok(started, timeout=300)
+    loss = {lr: [v for _, v in runs.load(tmp_path / str(lr)).series("loss", rank=0)] for lr in started}
+    assert len(loss[0.05]) == 16
+    assert max(loss[0.05][:10]) > 1.5 * loss[0.05][0], loss[0.05]          # climbs, without DDP
+    assert max(loss[0.0125][:10]) < 1.4 * loss[0.0125][0], loss[0.0125]    # a smaller lr: no far climb
+    assert max(loss[0.05][:10]) > 2 * max(loss[0.0125][:10])               # (seed 0: 3.4x and 1.2x its start)
+    cells = {k: "".join(c["source"]) for k, c in _cells03().items()}
+    panel = cells["03-05"]
+    assert '"batch-size": 32' in panel and '"lr": 0.05' in panel            # the settings tested here
+
+
+def test_03b_relates_its_lr_experiment_to_03s_run():
+    # 03b's sentence: 03's lr 0.05 is half the full linear lr, and at 2 ranks its global batch of
+    # 64 is half the experiment's, so the lr per sample is the same
+    import re
+    nb03 = {k: "".join(c["source"]) for k, c in _cells03().items()}
+    nb03b = {c["id"]: "".join(c["source"])
+             for c in json.loads((ROOT_NB / "03b_ddp_equals_one_process.ipynb").read_text())["cells"]}
+    lr03 = float(re.search(r'"lr": ([0-9.]+)', nb03["03-05"]).group(1))
+    batch03 = int(re.search(r'"batch-size": (\d+)', nb03["03-05"]).group(1))
+    base_batch, base_lr, per_device, world = eval(
+        re.search(r"base_batch, base_lr, per_device, world = (.*)", nb03b["03-17"]).group(1))
+    global_b = per_device * world
+    lr_linear = base_lr * global_b / base_batch
+    assert lr03 == 0.05 and lr_linear == 2 * lr03 and global_b == 2 * (2 * batch03)
+    assert lr03 / (2 * batch03) == lr_linear / global_b                       # the same lr per sample
+    text = " ".join(nb03b["03-18"].split())
+    assert "Notebook 03's run used lr 0.05, half this full lr, and at 2 ranks a global batch of 64" in text
+    epochs, samples = eval(re.search(r"epochs, samples = ([0-9, ]+)", nb03b["03-17"]).group(1))
+    assert epochs * (samples // global_b) == 16 and "64 steps or more, not 16" in text   # 03 takes >= 64
+    assert "max(s for s, _ in rec.series(\"loss\", rank=0)) >= 64" in nb03["03-06"]
 
 
 def _all_ok(started, timeout):

@@ -9,10 +9,12 @@
     show_diff("ddp_basic.py", "work/ddp_syncbn.py")
     show_diff("train_single.py", script("ddp_basic.py"), course=False)  # hides the `# course` lines
     show_script(script("ddp_basic.py"), course=False)   # the script itself, without its `# course` lines
+    show_script(script("ddp_basic.py"), course=False, fold="the whole script")   # the same, in a closed fold
     show(fig)                                   # display a figure once and close it
     ring = load_script("work/ring_allreduce.py")  # a module you edit, loaded afresh
 """
 import difflib
+import html
 import json
 import re
 import sys
@@ -120,14 +122,23 @@ def script_lines(path, course=True):
     return lines if course else [line for line in lines if not course_line(line)]
 
 
-def show_script(path, course=True):
+def show_script(path, course=True, fold=None):
     """Print the script file `path` whole, such as script("ddp_basic.py"). course=False leaves
-    out the lines marked `# course` and says how many it left out."""
-    print("\n".join(script_lines(path, course)))
+    out the lines marked `# course` and says how many it left out. fold="a summary line" shows
+    the same text in a closed fold instead, an HTML <details> that a click opens (frontends
+    without HTML get the plain text)."""
+    text = "\n".join(script_lines(path, course))
     if not course:
         hidden = len(script_lines(path)) - len(script_lines(path, course=False))
-        print(f"\n(Lines marked `# course` left out: {hidden}. They are the course's own timing and "
-              f"logging; the script has them all, and show_script without course=False prints them.)")
+        text += (f"\n\n(Lines marked `# course` left out: {hidden}. They are the course's own timing "
+                 f"and logging; the script has them all, and show_script without course=False prints them.)")
+    if fold is None:
+        print(text)
+        return
+    from IPython.display import display
+    display({"text/plain": text,
+             "text/html": f"<details><summary>{html.escape(fold)}</summary><pre>{html.escape(text)}</pre></details>"},
+            raw=True)
 
 
 def show(fig):
