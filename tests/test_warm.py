@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="wa
 SHOW = """
 import json, os, sys
 info = {"torch_before": "torch" in sys.modules, "name": __name__, "argv": sys.argv[1:],
+        "bad_fork": bool("torch" in sys.modules and sys.modules["torch"].cuda._is_in_bad_fork()),
         "ours_before": sorted(m for m in sys.modules if m.split(".")[0] == "ddp_lesson"),
         "env": {k: v for k, v in os.environ.items()
                 if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -86,6 +87,7 @@ def test_warm_and_cold_ranks_get_the_same_torchrun(server, write_script, tmp_pat
         # forked from a process that had torch: not imported again; a new interpreter had not
         assert w["torch_before"] and not c["torch_before"]
         assert w["name"] == c["name"] == "__main__"
+        assert not w["bad_fork"] and not c["bad_fork"]   # a warm rank may use CUDA, as a cold one may
         assert w["argv"] == c["argv"] == ["--lr", "0.1"]
         # the guard and its run directory names, nothing else of ours: not what a learner edits
         # (metrics, models, data), not the kernel's supervision (by real names: short names are aliases)
@@ -139,6 +141,18 @@ def test_the_warm_process_holds_one_thread_no_cuda_and_only_the_guard(server):
     hello = server.hello
     assert hello["threads"] == 1
     assert hello["cuda_initialized"] is False
+    assert hello["forks_poisoned"] is False   # a fork of it may use CUDA: it asked no CUDA runtime
+    env = dict(server.env)
+    assert server.why_not(env) is None
+    for planted, gpu_env, words in ((dict(hello, forks_poisoned=True), env, "asked CUDA's runtime"),
+                                    (dict(hello, nvml_counts=False), dict(env, CUDA_VISIBLE_DEVICES="0,1"),
+                                     "through NVML")):
+        server.hello = planted   # what a poisoned warm process, or a machine without NVML, would say
+        try:
+            assert words in (server.why_not(gpu_env) or ""), server.why_not(gpu_env)
+        finally:
+            server.hello = hello
+    assert server.why_not(dict(env, CUDA_VISIBLE_DEVICES="")) is None   # CPU ranks need no NVML
     assert set(hello["modules"]) <= {"ddp_lesson", "ddp_lesson.rank", "ddp_lesson.rank.guard", "ddp_lesson.rank.rundir"}
     assert psutil.Process(server.pid).ppid() == os.getpid()
 

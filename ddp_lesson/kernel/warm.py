@@ -110,8 +110,10 @@ class Server:
         if self.hello is None or not self.alive():
             tail = self.log_tail().splitlines()[-1:] or ["no message"]
             return f"the warm process did not start ({tail[0]})"
-        if self.hello.get("cuda_initialized"):
-            return "the warm process initialized CUDA, so its forks could not use a GPU"
+        if self.hello.get("cuda_initialized") or self.hello.get("forks_poisoned", True):
+            return "the warm process asked CUDA's runtime, so its forks could not use a GPU"
+        if env.get("CUDA_VISIBLE_DEVICES") and not self.hello.get("nvml_counts"):
+            return "torch cannot count GPUs through NVML here, so a warm run's ranks could not use theirs"
         if self.hello.get("fingerprint") != fingerprint():
             return "torch or ddp_lesson changed on disk since the warm process started"
         mine, theirs = start_vars(env), start_vars(self.env)

@@ -314,7 +314,8 @@ def fresh_stdio():
 
 def count_gpus_without_cuda():
     """In a warm launch's agent, before torchrun runs: its LaunchConfig asks
-    torch.accelerator.is_available(), which poisons fork unless NVML_CHECK is "1", and the
+    torch.accelerator.is_available(), which asks CUDA's runtime and poisons fork unless
+    NVML_CHECK is "1" and NVML can count (warm.py goes cold for GPUs where it cannot); the
     ranks are forks of this agent. A poisoned rank could not use its GPU ("Cannot
     re-initialize CUDA in forked subprocess"). Each forked rank takes the launch's value back."""
     global _launch_nvml_check

@@ -119,7 +119,7 @@ def log_process(step=0, **values):
 
 def bad_fork():
     """Whether torch says this process is a fork of one that asked CUDA's runtime: then it
-    cannot use a GPU. Always so on a machine without a driver, where nothing uses CUDA."""
+    cannot use a GPU. A warm rank is a fork of the agent (guard.count_gpus_without_cuda)."""
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda._is_in_bad_fork())
 

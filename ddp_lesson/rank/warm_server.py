@@ -189,6 +189,24 @@ def _reap(agents):
             conn.close()
 
 
+def forks_poisoned(torch):
+    """Would a fork of this process be unable to use CUDA? torch marks forks bad after any call
+    that asked CUDA's runtime, which is_initialized() does not show: one child asks, and exits."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(int(torch.cuda._is_in_bad_fork()))
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+
+
+def nvml_counts(torch):
+    """Can torch count GPUs through NVML here? If not, a warm agent asking for GPUs would ask
+    CUDA's runtime and poison its forks (guard.count_gpus_without_cuda)."""
+    try:
+        return torch.cuda._raw_device_count_nvml() >= 0
+    except OSError:   # no NVML library: no driver
+        return False
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 3 or argv[0] != "--parent":
@@ -211,7 +229,8 @@ def main(argv=None):
     listener.listen(64)
     hello.write(json.dumps({
         "pid": os.getpid(), "fingerprint": fingerprint(), "torch": torch.__version__,
-        "cuda_initialized": bool(torch.cuda.is_initialized()), "threads": threads(),
+        "cuda_initialized": bool(torch.cuda.is_initialized()), "forks_poisoned": forks_poisoned(torch),
+        "nvml_counts": nvml_counts(torch), "threads": threads(),
         "modules": sorted(m for m in sys.modules if m == "ddp_lesson" or m.startswith("ddp_lesson.")),
     }) + "\n")
     hello.close()
