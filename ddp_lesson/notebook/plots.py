@@ -158,6 +158,14 @@ def draw_metric(ax, rows, metric, x="step", t0=None, ranks=True, mean=True, labe
     return len(s)
 
 
+def step_times_label(times):
+    """The bars' x label, naming the steps the medians really cover: the last min(window, n)."""
+    n = max((len(keys["compute_s"]) for keys in times.per_rank.values()), default=0)
+    if not n:
+        return "ms per step (median)"
+    return f"ms per step (median of the last {n} step{'s' if n != 1 else ''})"
+
+
 def draw_step_times(ax, times, stragglers):
     """Per rank, a stacked horizontal bar of the median step: data / compute / waiting for
     others (ms), memory at the bar's end, the `stragglers` named. `times`: a runs.StepTimes, or
@@ -168,7 +176,7 @@ def draw_step_times(ax, times, stragglers):
     med = times.medians()
     slow = set(stragglers)
     ax.clear()
-    ax.set_xlabel("ms per step (median" + (f" of the last {times.window})" if times.window else ")"))
+    ax.set_xlabel(step_times_label(times))
     if not med:
         ax.text(0.5, 0.5, "no compute_s rows yet", ha="center", va="center",
                 transform=ax.transAxes, color="gray")
