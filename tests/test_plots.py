@@ -162,3 +162,18 @@ def test_step_time_bars_name_the_steps_their_medians_cover():
     assert "the last 45 steps" in ax.get_xlabel()
     plots.draw_step_times(ax, runs.StepTimes(window=30), [])
     assert ax.get_xlabel() == "ms per step (median)"
+
+
+def test_a_rising_accuracy_curve_keeps_its_legend_off_the_mean_line():
+    """A dense accuracy curve climbs into the upper right, where a fixed "upper right" legend
+    hid the mean line's last half (notebook 03's panel): its legend goes where the data is not."""
+    import io
+    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "train_accuracy": 0.1 + 0.85 * s / 64}
+            for s in range(1, 65) for r in (0, 1)]
+    fig, (ax,) = plots.new_figure(1)
+    plots.draw_metric(ax, rows, "train_accuracy")
+    fig.savefig(io.BytesIO(), format="png")   # places the legend
+    box = ax.get_legend().get_window_extent()
+    mean = lines_by_label(ax)["mean over ranks, smoothed"]
+    points = ax.transData.transform(list(zip(mean.get_xdata(), mean.get_ydata())))
+    assert not any(box.contains(x, y) for x, y in points)
