@@ -145,3 +145,35 @@ def test_live_plot_redraws_10000_points_as_few_in_the_same_figure():
     sizes = [len(line.get_xdata()) for line in lines]
     assert sizes and max(sizes) <= limit + 1, sizes
     assert max(line.get_xdata()[-1] for line in lines) == 5001   # the newest step is drawn
+
+
+def test_step_time_bars_name_the_steps_their_medians_cover():
+    """The x label says how many steps the medians cover: the last min(window, n), so a
+    12-step run never reads "the last 30"."""
+    def rows(n):
+        return [{"rank": r, "step": s, "time": 1000.0 + s, "data_s": 0.0, "compute_s": 0.05,
+                 "wait_s": 0.0} for s in range(1, n + 1) for r in (0, 1)]
+    fig, (ax,) = plots.new_figure(1)
+    for n, want in ((12, "the last 12 steps"), (30, "the last 30 steps"), (45, "the last 30 steps"),
+                    (1, "the last 1 step)")):
+        plots.draw_step_times(ax, runs.StepTimes(window=30).add(rows(n)), [])
+        assert want in ax.get_xlabel(), (n, ax.get_xlabel())
+    plots.draw_step_times(ax, runs.StepTimes().add(rows(45)), [])
+    assert "the last 45 steps" in ax.get_xlabel()
+    plots.draw_step_times(ax, runs.StepTimes(window=30), [])
+    assert ax.get_xlabel() == "ms per step (median)"
+
+
+def test_a_rising_accuracy_curve_keeps_its_legend_off_the_mean_line():
+    """A dense accuracy curve climbs into the upper right, where a fixed "upper right" legend
+    hid the mean line's last half (notebook 03's panel): its legend goes where the data is not."""
+    import io
+    rows = [{"rank": r, "step": s, "time": 1000.0 + s, "train_accuracy": 0.1 + 0.85 * s / 64}
+            for s in range(1, 65) for r in (0, 1)]
+    fig, (ax,) = plots.new_figure(1)
+    plots.draw_metric(ax, rows, "train_accuracy")
+    fig.savefig(io.BytesIO(), format="png")   # places the legend
+    box = ax.get_legend().get_window_extent()
+    mean = lines_by_label(ax)["mean over ranks, smoothed"]
+    points = ax.transData.transform(list(zip(mean.get_xdata(), mean.get_ydata())))
+    assert not any(box.contains(x, y) for x, y in points)

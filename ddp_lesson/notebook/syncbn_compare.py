@@ -61,6 +61,7 @@ def compare(panel, ref, options, timing, script="work/ddp_syncbn.py"):
     ax.plot(steps, loss, lw=1.8, label=sync_label)
     ax.set_xlabel("step"); ax.set_ylabel("loss (mean over ranks)"); ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    fig.tight_layout()   # room for the axis labels: without it "step" is clipped
     show(fig)
 
     acc = {**{label: r["test_accuracy"][-1] for label, r in others.items()},
