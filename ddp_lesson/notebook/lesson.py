@@ -116,20 +116,16 @@ def show_diff(old, new, context=1, course=True):
               f"have them all.)")
 
 
-def script_lines(path, course=True):
-    """The lines of the script file `path`; course=False leaves out its `# course` lines."""
-    lines = Path(path).read_text().splitlines()
-    return lines if course else [line for line in lines if not course_line(line)]
-
-
 def show_script(path, course=True, fold=None):
     """Print the script file `path` whole, such as script("ddp_basic.py"). course=False leaves
     out the lines marked `# course` and says how many it left out. fold="a summary line" shows
     the same text in a closed fold instead, an HTML <details> that a click opens (frontends
     without HTML get the plain text)."""
-    text = "\n".join(script_lines(path, course))
+    every = Path(path).read_text().splitlines()
+    shown = every if course else [line for line in every if not course_line(line)]
+    text = "\n".join(shown)
     if not course:
-        hidden = len(script_lines(path)) - len(script_lines(path, course=False))
+        hidden = len(every) - len(shown)
         text += (f"\n\n(Lines marked `# course` left out: {hidden}. They are the course's own timing "
                  f"and logging; the script has them all, and show_script without course=False prints them.)")
     if fold is None:

@@ -1,7 +1,8 @@
 """Notebook 03: DistributedDataParallel, launched by torchrun; the course's reference loop (the demo).
 
     torchrun --standalone --nproc-per-node 2 ddp_basic.py --epochs 2
-Every line that makes it distributed is marked # DDP. Lines marked # course are the course's
+Most lines that make it distributed are marked # DDP; the per-rank device, the seed + rank
+seed and the test shard are not. Lines marked # course are the course's
 own timing and logging, not needed in your code: without them it trains the same, to float rounding.
 """
 import argparse
