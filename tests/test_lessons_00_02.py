@@ -121,11 +121,11 @@ def _losses_by_rank(script, world, lr):
 
 @pytest.mark.parametrize("world", range(1, 9))
 def test_00_step_one_says_what_the_plot_shows(world):
-    # step 1 of 00: the curves look flat on the plot's linear scale once every rank's loss is
+    # step 1 of 00, in its fold: the curves look flat on the plot's linear scale once every rank's loss is
     # below 2% of the plot's top (the largest step-0 loss): after about 3 steps at LR 0.3, about
     # 10 at LR 0.1. Every rank gets within twice the floor, 0.02, after 5 steps at LR 0.3 and
     # 17 to 20 at LR 0.1, and both end near 0.01
-    text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "3daec51a")
+    text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "00-panel-hood")
     assert "a loss of about 0.01" in text
     assert "look flat after about 3 steps at LR 0.3, and after about 10 at LR 0.1" in text
     assert "within twice the floor after 5 steps at LR 0.3, and after 17 to 20 at LR 0.1" in text
@@ -142,10 +142,10 @@ def test_00_step_one_says_what_the_plot_shows(world):
 
 
 def test_00_the_panel_line_of_30_steps_is_the_plain_mean():
-    # 00 says the thick line is averaged over neighbouring steps only on runs of 40 steps or
-    # more, so first_run.py's line is the plain mean over ranks
+    # 00's fold says the thick line is averaged over neighbouring steps only on runs of 40 steps
+    # or more, so first_run.py's line is the plain mean over ranks
     from ddp_lesson.notebook.plots import smooth
-    text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "3daec51a")
+    text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "00-panel-hood")
     assert "On a run of 40 steps or more" in text and "the line is the plain average" in text
     ys = [float((7 * i) % 11) for i in range(60)]
     assert load_script(FIRST_RUN).STEPS < 40
