@@ -325,8 +325,8 @@ def test_twice_cell_measures_autograd_and_fails_when_the_all_reduce_is_seen_or_m
     assert torch.allclose(ns["reduced_by_hand"]([5, 5], recorded), ns["even"])
 
 
-def test_section_5_quotes_the_scripts_lines_that_matter():
-    # the script's cell is collapsed; the lesson text quotes its lines, so they must be the script's
+def test_appendix_quotes_the_scripts_lines_that_matter():
+    # the script's cell is collapsed; the appendix's text quotes its lines, so they must be the script's
     text = source(next(c for c in cells() if c.get("id") == "c686473c"))
     quoted = text.split("```python\n", 1)[1].split("```", 1)[0].splitlines()
     lines = {line.strip() for line in script("loss_averaging.py").read_text().splitlines()}
@@ -337,7 +337,7 @@ def test_section_5_quotes_the_scripts_lines_that_matter():
 
 
 def test_padding_of_the_1003_test_images_is_at_most_5_at_1_to_8_ranks():
-    # 03c: the padded accuracy is close to the right one in section 5's run, since the sampler
+    # 03c: the padded accuracy is close to the right one in the appendix's run, since the sampler
     # repeats at most 5 of the 1003 test images at any world size from 1 to 8
     data = TensorDataset(torch.arange(1003))
     repeats = [DistributedSampler(data, num_replicas=w, rank=0).total_size - 1003 for w in range(1, 9)]
@@ -348,3 +348,35 @@ def test_join_rule_is_in_the_lesson_text_not_only_in_a_fold():
     lesson = "\n".join(source(c) for c in cells()
                        if c["cell_type"] == "markdown" and not source(c).startswith("<details>"))
     assert "with model.join():" in lesson and "with model.join(throw_on_early_termination=True):" in lesson
+
+
+def test_real_run_is_an_optional_appendix_after_the_main_path():
+    # the real run re-proves sections 3 and 4: an optional appendix after section 4 and the
+    # exercise, with its panel, run and checks inside it, and no "section 5" left to point at
+    c = cells()
+    ids = [x.get("id") for x in c]
+    headings = [(i, line) for i, x in enumerate(c) if x["cell_type"] == "markdown"
+                for line in source(x).splitlines() if line.startswith("## ")]
+    appendix = ids.index("c686473c")
+    assert source(c[appendix]).startswith("## Appendix (optional): a real run")
+    assert [line[:5] for i, line in headings if i < appendix] == ["## 1.", "## 2.", "## 3.", "## 4."]
+    assert [i for i, _ in headings if i > appendix] == []                 # nothing of the lesson after it
+    exercise = next(i for i, x in enumerate(c) if source(x).startswith("### Exercise: weight the loss"))
+    assert exercise < ids.index("03c-metrics") < appendix
+    for cell_id in ("a30a8b46", "71a02cf5", "438ba6ab", "da005b13", "942695e9"):   # panel, run, checks
+        assert appendix < ids.index(cell_id) < ids.index("03c-where"), cell_id
+    text = "\n".join(source(x) for x in c)
+    assert "section 5" not in text.lower() and "sections 3 to 5" not in text.lower()
+    assert "appendix" in source(c[0]).lower() and "Sections 3 and 4" in source(c[0])
+
+
+def test_check_cells_are_collapsed_and_the_text_before_them_says_what_they_do():
+    # a collapsed cell's first comment is hidden: the markdown before it, or its own output, says it
+    c = cells()
+    checks = [i for i, x in enumerate(c) if x["cell_type"] == "code" and source(x).startswith("# Just run it")]
+    assert len(checks) >= 7
+    for i in checks:
+        assert c[i]["metadata"].get("jupyter", {}).get("source_hidden") is True, c[i]["id"]
+        before = next(source(x) for x in reversed(c[:i])       # what the learner reads: folds show one line
+                      if x["cell_type"] == "markdown" and not source(x).startswith("<details>"))
+        assert "cell" in before.lower(), c[i]["id"]
