@@ -259,8 +259,9 @@ def test_03_loss_climb_comes_from_the_lr_not_from_ddp(tmp_path):
 
 
 def test_03b_relates_its_lr_experiment_to_03s_run():
-    # 03b's sentence: 03's lr 0.05 is half the full linear lr, and at 2 ranks its global batch of
-    # 64 is half the experiment's, so the lr per sample is the same
+    # 03b's sentence, in the fold after the experiment (03-18u2): 03's lr 0.05 is half the full
+    # linear lr, and at 2 ranks its global batch of 64 is half the experiment's, so the lr per
+    # sample is the same
     import re
     nb03 = {k: "".join(c["source"]) for k, c in _cells03().items()}
     nb03b = {c["id"]: "".join(c["source"])
@@ -273,11 +274,45 @@ def test_03b_relates_its_lr_experiment_to_03s_run():
     lr_linear = base_lr * global_b / base_batch
     assert lr03 == 0.05 and lr_linear == 2 * lr03 and global_b == 2 * (2 * batch03)
     assert lr03 / (2 * batch03) == lr_linear / global_b                       # the same lr per sample
-    text = " ".join(nb03b["03-18"].split())
+    text = " ".join(nb03b["03-18u2"].split())
     assert "Notebook 03's run used lr 0.05, half this full lr, and at 2 ranks a global batch of 64" in text
     epochs, samples = eval(re.search(r"epochs, samples = ([0-9, ]+)", nb03b["03-17"]).group(1))
     assert epochs * (samples // global_b) == 16 and "64 steps or more, not 16" in text   # 03 takes >= 64
     assert "max(s for s, _ in rec.series(\"loss\", rank=0)) >= 64" in nb03["03-06"]
+
+
+def test_03b_buffer_rule_is_short_in_the_lesson_and_exact_in_its_fold():
+    # other notebooks point to "03b's buffer rule": a bold lead in 03b's lesson text, the rule in
+    # at most three sentences after it; the exact table follows in the fold right below
+    import importlib.util
+    import re
+    spec = importlib.util.spec_from_file_location("prose", REPO / "tools" / "prose.py")
+    prose = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prose)
+    cells = json.loads((ROOT_NB / "03b_ddp_equals_one_process.ipynb").read_text())["cells"]
+    i = next(i for i, c in enumerate(cells) if "**The buffer rule.**" in "".join(c["source"]))
+    lesson = "".join(cells[i]["source"])
+    assert not lesson.startswith("<details>")                       # on the main thread
+    paragraph = lesson[lesson.index("**The buffer rule.**"):].split("\n\n")[0]
+    rule = prose.sentences(prose.lesson_text(paragraph))
+    assert rule[0] == "**The buffer rule." and len(rule[1:]) <= 3, rule    # the measure splits off the lead
+    assert "**Buffers**" in paragraph and "collective" in paragraph
+    assert "every rank must run the same forwards, the evaluation included" in " ".join(paragraph.split())
+    fold = "".join(cells[i + 1]["source"])
+    assert fold.startswith("<details><summary>Under the hood: the exact buffer rule")
+    rows = re.findall(r"^\| ([^|]+) \| (yes|no) \|$", fold, flags=re.M)
+    assert [(w.strip(), v) for w, v in rows] == [("none: this is the first forward", "yes"),
+                                                 ("a forward with gradients on", "yes"),
+                                                 ("a forward under `torch.no_grad()`", "no")], rows
+    for name in ("_check_sync_bufs_pre_fwd", "_check_sync_bufs_post_fwd", "require_forward_param_sync",
+                 "no_sync()"):
+        assert name in fold, name
+
+
+def test_03b_check_cells_are_collapsed():
+    cells = json.loads((ROOT_NB / "03b_ddp_equals_one_process.ipynb").read_text())["cells"]
+    runs = [c for c in cells if c["cell_type"] == "code" and "".join(c["source"]).startswith("# Just run it")]
+    assert len(runs) >= 5 and all(c["metadata"]["jupyter"]["source_hidden"] is True for c in runs)
 
 
 def _all_ok(started, timeout):
