@@ -30,6 +30,7 @@ process)."""
 import difflib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,7 +167,7 @@ def test_03_diff_without_course_lines_is_only_what_makes_it_distributed(capsys):
 
 
 def test_show_script_without_course_lines_is_the_script_less_exactly_those(capsys):
-    # 03 cell 03-full shows ddp_basic.py this way, in a fold: every other line, DDP ones included, stays
+    # 03 cell 03-diff shows ddp_basic.py this way, open: every other line, DDP ones included, stays
     from ddp_lesson.notebook import lesson
     path = script("ddp_basic.py")
     lines = path.read_text().splitlines()
@@ -181,61 +182,196 @@ def test_show_script_without_course_lines_is_the_script_less_exactly_those(capsy
     assert capsys.readouterr().out.splitlines() == lines
 
 
-def test_show_script_in_a_fold_is_the_same_listing_in_a_closed_details(monkeypatch, capsys):
-    # 03 cell 03-full: the whole script, without its `# course` lines, behind one click
+def _folded(monkeypatch, capsys, show, fold):
+    """What show(..., fold=fold) displays, checked to be the printed text (show(...) without fold)
+    in one closed <details>, escaped; returns the text."""
     import html
     import IPython.display
-    from ddp_lesson.notebook import lesson
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append((obj, raw)))
-    path = script("ddp_basic.py")
-    lesson.show_script(path, course=False)
+    show()
     printed = capsys.readouterr().out.rstrip("\n")
-    lesson.show_script(path, course=False, fold="the <whole> script")
+    show(fold=fold)
     assert capsys.readouterr().out == "" and len(shown) == 1      # displayed, not printed
     (bundle, raw), = shown
-    assert raw and bundle["text/plain"] == printed                  # the same text as the printed listing
+    assert raw and bundle["text/plain"] == printed                  # the same text as printed
     page = bundle["text/html"]
-    assert page.startswith("<details><summary>the &lt;whole&gt; script</summary><pre>")   # closed: no `open`
+    assert page.startswith(f"<details><summary>{html.escape(fold)}</summary><pre>")   # closed: no `open`
     assert page.endswith("</pre></details>") and "<details open" not in page
     assert html.unescape(page[page.index("<pre>") + 5:page.index("</pre>")]) == printed
     assert "&lt;" in page or "<" not in printed                    # the script's text is escaped
+    return printed
+
+
+def test_show_script_in_a_fold_is_the_same_listing_in_a_closed_details(monkeypatch, capsys):
+    import functools
+    from ddp_lesson.notebook import lesson
+    show = functools.partial(lesson.show_script, script("ddp_basic.py"), course=False)
+    printed = _folded(monkeypatch, capsys, show, "the <whole> script")
+    assert "left out:" in printed.splitlines()[-1]
+
+
+def test_show_diff_in_a_fold_is_the_same_diff_in_a_closed_details(monkeypatch, capsys):
+    # 03 cell 03-full: the diff from train_single.py, without `# course` lines, behind one click
+    import functools
+    from ddp_lesson.notebook import lesson
+    show = functools.partial(lesson.show_diff, "train_single.py", script("ddp_basic.py"), course=False)
+    printed = _folded(monkeypatch, capsys, show, "the <diff> from one process")
+    assert printed.startswith("--- train_single.py") and "left out:" in printed.splitlines()[-1]
+    assert "\n+    dist.barrier()" in printed
+    show = functools.partial(lesson.show_diff, "ddp_basic.py", script("ddp_syncbn.py"))   # course=True
+    assert "+++" in _folded(monkeypatch, capsys, show, "04's diff")
 
 
 def _cells03():
     return {c["id"]: c for c in json.loads((ROOT_NB / "03_ddp_torchrun.ipynb").read_text())["cells"]}
 
 
-def test_03_listing_is_the_diff_from_one_process_with_every_ddp_line(capsys):
-    # 03's main listing is the diff from train_single.py, without `# course` lines; it shows every
-    # `# DDP` line as added, says how many `# course` lines it hid, and names nothing met only later
+DDP_NAME = re.compile(r"\b(rank|local_rank|world_size|dist|DDP|DistributedSampler|sampler|no_sync|syncbn|"
+                      r"SyncBatchNorm|record|RANK|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT)\b"
+                      r"|\.module\b|os\.environ|barrier|set_device")
+COVERING = ("if ", "elif ", "else", "with ")   # a `# DDP` on these covers their block (the docstrings say so)
+
+
+def ddp_coverage(text):
+    """{line number: marked} for each line of code in `text`, a script: marked is True where
+    the line is marked `# DDP`, is part of a statement so marked, or is inside the block of an
+    `if`/`with` so marked. A comment on the line above does not count; docstrings are left out."""
+    import ast
+    import io
+    import tokenize
+    docs = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    logical, current = [], []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER):
+            continue
+        if tok.type == tokenize.NL and not current:
+            continue
+        if tok.type == tokenize.COMMENT and not current:   # a comment on a line of its own
+            continue
+        current.append(tok)
+        if tok.type == tokenize.NEWLINE:
+            logical.append(current)
+            current = []
+    lines = text.splitlines()
+    out, stack = {}, []          # stack: (indent, covers) of the enclosing block headers
+    for toks in logical:
+        first, last = toks[0].start[0], toks[-1].start[0]
+        if first in docs:
+            continue
+        indent = len(lines[first - 1]) - len(lines[first - 1].lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        marked = any(t.type == tokenize.COMMENT and t.string.startswith("# DDP") for t in toks)
+        covered = marked or any(covers for _, covers in stack)
+        for n in range(first, last + 1):
+            out[n] = covered
+        code = [t for t in toks if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)]
+        if code and code[-1].string == ":":
+            stack.append((indent, covered and lines[first - 1].lstrip().startswith(COVERING)))
+    return out
+
+
+def unmarked_ddp_lines(text):
+    """The lines of code in `text` that name something distributed and are not marked `# DDP`."""
+    from ddp_lesson.notebook import lesson
+    lines = text.splitlines()
+    return [lines[n - 1] for n, marked in ddp_coverage(text).items()
+            if not marked and not lesson.course_line(lines[n - 1])
+            and DDP_NAME.search(lines[n - 1].split("  #")[0])]
+
+
+@pytest.mark.parametrize("name", ["ddp_basic.py", "ddp_syncbn.py", "ddp_accum.py"])
+def test_every_line_that_names_something_distributed_is_marked_ddp(name):
+    # the docstrings and 03 say it: every line that makes it distributed is marked `# DDP`
+    text = script(name).read_text()
+    assert unmarked_ddp_lines(text) == []
+    for line in ('    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")',
+                 "    torch.manual_seed(args.seed + rank)",
+                 "    shard = Subset(test_set, range(rank, len(test_set), world_size))",
+                 "    if rank == 0:", "import torch.distributed as dist"):
+        marked = next(l for l in text.splitlines() if l.startswith(line))
+        assert "  # DDP" in marked, marked
+        planted = text.replace(marked, line)          # the mark taken off: the check sees it
+        assert line in unmarked_ddp_lines(planted), line
+    body = '        torch.save(model.module.state_dict(), ckpt)'
+    assert body in text and body not in unmarked_ddp_lines(text)          # under a marked `if`
+    off = text.replace('    if rank == 0:  # DDP: one writer', '    if rank == 0:  # one writer')
+    assert body in unmarked_ddp_lines(off)                                  # ... and not without it
+    comment = "    # DDP: every rank needs at least one test batch"
+    assert comment in text                             # a `# DDP` comment above a line does not cover it
+    bare = text.replace("world_size))  # DDP: each sample once, no padding", "world_size))")
+    assert "    shard = Subset(test_set, range(rank, len(test_set), world_size))" in unmarked_ddp_lines(bare)
+
+
+def test_03_every_line_added_to_the_single_process_script_is_marked_ddp():
+    # the diff from train_single.py: each added line of code is marked `# DDP` (or covered by a
+    # marked `if`), but for these, which change a comment or a help text, or open the marked set_device
+    from ddp_lesson.notebook import lesson
+    not_ddp = {'p.add_argument("--batch-size", type=int, default=32, help="per process")',
+               "counts = torch.zeros(2, device=device)  # [correct, seen] on this rank",
+               "plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it",
+               "if use_cuda:"}
+    single = [l for l in script("train_single.py").read_text().splitlines()]
+    text = script("ddp_basic.py").read_text()
+    coverage = ddp_coverage(text)
+    plain = [(n, l) for n, l in enumerate(text.splitlines(), 1) if not lesson.course_line(l)]
+    matcher = difflib.SequenceMatcher(a=single, b=[l for _, l in plain], autojunk=False)
+    added = [plain[j] for op, _, _, j1, j2 in matcher.get_opcodes() if op in ("replace", "insert")
+             for j in range(j1, j2)]
+    code = [(n, l) for n, l in added if n in coverage]               # not the docstring, not blank
+    assert len(code) >= 30
+    unmarked = [l.strip() for n, l in code if not coverage[n]]
+    assert [l for l in unmarked if l not in not_ddp] == []
+    assert unmarked.count("if use_cuda:") == 1 and "set_device(local_rank)" in text.split("if use_cuda:\n")[1].split("\n")[0]
+
+
+def test_03_listing_is_the_whole_script_with_every_ddp_line(capsys):
+    # 03's main listing is the whole ddp_basic.py, open, without `# course` lines: every `# DDP`
+    # line is in it; 03 says how many `# course` lines it hid, and it names nothing met only later
     from ddp_lesson.notebook import lesson
     cells = {k: "".join(c["source"]) for k, c in _cells03().items()}
-    call = 'show_diff("train_single.py", script("ddp_basic.py"), course=False)'
-    assert call in cells["03-diff"] and "show_script(script(" not in cells["03-diff"]
-    lesson.show_diff("train_single.py", script("ddp_basic.py"), course=False)   # as the cell calls it
+    call = 'show_script(script("ddp_basic.py"), course=False)'
+    assert call in cells["03-diff"] and "fold=" not in cells["03-diff"]
+    assert not _cells03()["03-diff"]["metadata"].get("jupyter", {}).get("source_hidden")   # open
+    lesson.show_script(script("ddp_basic.py"), course=False)   # as the cell calls it
+    out = capsys.readouterr().out.splitlines()
+    lines = script("ddp_basic.py").read_text().splitlines()
+    plain = [l for l in lines if not lesson.course_line(l)]
+    ddp = [l for l in lines if "# DDP" in l]
+    assert len(ddp) >= 25 and [l for l in out if "# DDP" in l] == ddp   # every DDP line, in order
+    assert not any(lesson.course_line(l) for l in out)
+    hidden = len(lines) - len(plain)
+    assert hidden >= 8 and f"The listing leaves out the script's {hidden} lines marked `# course`" in cells["03-diff2"]
+    assert "The lines marked `# DDP` are everything that makes it distributed" in cells["03-diff2"]
+    assert "The training step itself is unchanged" in cells["03-diff2"]
+    assert "**Every rank\nneeds at least one test batch**" in cells["03-diff2"]
+    for later in ("03b's", "buffer rule", "comm hook", "StepTimer", "timer", "slow", "shard="):
+        assert not any(later in l for l in out), later  # nothing the learner meets only later
+
+
+def test_03_diff_from_one_process_is_right_after_in_a_collapsed_fold(capsys):
+    # the diff from train_single.py, the one-process script, in a closed fold of a collapsed
+    # cell right after the listing's text: every `# DDP` line is in it as added, none hidden
+    from ddp_lesson.notebook import lesson
+    ids = list(_cells03())
+    cells = {k: "".join(c["source"]) for k, c in _cells03().items()}
+    assert ids.index("03-full") == ids.index("03-diff2") + 1 == ids.index("03-diff") + 2
+    assert _cells03()["03-full"]["metadata"]["jupyter"]["source_hidden"] is True
+    assert 'show_diff("train_single.py", script("ddp_basic.py"), course=False,\n' in cells["03-full"]
+    assert "fold=" in cells["03-full"] and "show_script" not in cells["03-full"]
+    assert "`+` are what DDP adds" in cells["03-diff2"] and "`-` what it removes" in cells["03-diff2"]
+    lesson.show_diff("train_single.py", script("ddp_basic.py"), course=False)   # the fold's text
     out = capsys.readouterr().out.splitlines()
     added = [l[1:] for l in out if l.startswith("+") and not l.startswith("+++")]
-    plain = [l for l in script("ddp_basic.py").read_text().splitlines() if not lesson.course_line(l)]
-    ddp = [l for l in plain if "# DDP" in l]
-    assert len(ddp) >= 15 and [l for l in added if "# DDP" in l] == ddp   # every DDP line, in order
+    ddp = [l for l in script("ddp_basic.py").read_text().splitlines() if "# DDP" in l]
+    assert [l for l in added if "# DDP" in l] == ddp                    # every DDP line, as added
     assert not any(lesson.course_line(l) for l in out)
-    hidden = sum(map(lesson.course_line, script("ddp_basic.py").read_text().splitlines()))
-    assert f"The diff leaves out the script's {hidden} lines marked `# course`" in cells["03-diff2"]
-    assert "`+` are what DDP adds" in cells["03-diff2"] and "`-` what it removes" in cells["03-diff2"]
-    shown = [l[1:] for l in out if l[:1] in " +-" and not l.startswith(("+++", "---"))]
-    for later in ("03b's", "buffer rule", "comm hook", "StepTimer", "timer", "slow", "shard="):
-        assert not any(later in l for l in shown), later  # nothing the learner meets only later
-        assert not any(later in l for l in plain), later  # nor in the whole listing of 03-full
-
-
-def test_03_whole_listing_is_right_after_the_diff_in_a_collapsed_cell():
-    ids = list(_cells03())
-    full = _cells03()["03-full"]
-    assert ids.index("03-full") == ids.index("03-diff2") + 1 == ids.index("03-diff") + 2
-    assert full["metadata"]["jupyter"]["source_hidden"] is True
-    assert 'show_script(script("ddp_basic.py"), course=False,' in "".join(full["source"])
-    assert "fold=" in "".join(full["source"])
 
 
 def test_03_loss_climb_comes_from_the_lr_not_from_ddp(tmp_path):
@@ -465,13 +601,13 @@ def loop_problems(win):
 
 PLANTED_LOOPS = {   # a wrong edit of ddp_accum.py's loop -> what the check must notice
     "no_sync around backward only": (
-        """        with contextlib.nullcontext() if last else model.no_sync():
+        """        with contextlib.nullcontext() if last else model.no_sync():  # DDP
             out = model(x)
             loss = F.cross_entropy(out, y)
             (loss / window).backward()""",
         """        out = model(x)
         loss = F.cross_entropy(out, y)
-        with contextlib.nullcontext() if last else model.no_sync():
+        with contextlib.nullcontext() if last else model.no_sync():  # DDP
             (loss / window).backward()""", "all-reduces"),
     "no no_sync": ("with contextlib.nullcontext() if last else model.no_sync():",
                    "with contextlib.nullcontext():", "all-reduces"),

@@ -8,6 +8,7 @@
     amp = written(run, "amp.json")              # reads it as soon as it is written (a --then chain)
     show_diff("ddp_basic.py", "work/ddp_syncbn.py")
     show_diff("train_single.py", script("ddp_basic.py"), course=False)  # hides the `# course` lines
+    show_diff("train_single.py", script("ddp_basic.py"), course=False, fold="the diff")  # in a closed fold
     show_script(script("ddp_basic.py"), course=False)   # the script itself, without its `# course` lines
     show_script(script("ddp_basic.py"), course=False, fold="the whole script")   # the same, in a closed fold
     show(fig)                                   # display a figure once and close it
@@ -100,20 +101,22 @@ def script_diff(old, new, context=1, course=True):
     return list(difflib.unified_diff(a, b, old, str(new), lineterm="", n=context))
 
 
-def show_diff(old, new, context=1, course=True):
+def show_diff(old, new, context=1, course=True, fold=None):
     """The lesson is the diff: print what changed from the previous lesson's script.
     course=False hides the lines marked `# course` of both scripts and says how many of each it
-    hid, and how many of `old`'s are gone from `new`, which the diff then does not show."""
-    print("\n".join(script_diff(old, new, context, course)))
+    hid, and how many of `old`'s are gone from `new`, which the diff then does not show.
+    fold="a summary line" shows the same text in a closed fold instead, as show_script does."""
+    text = "\n".join(script_diff(old, new, context, course))
     if not course:
         ours = [line.strip() for line in script(old).read_text().splitlines() if course_line(line)]
         theirs = [line.strip() for line in Path(new).read_text().splitlines() if course_line(line)]
         gone = sum((Counter(ours) - Counter(theirs)).values())
         name = Path(new).name
         removed = f"; {gone} of {old}'s are gone from {name}" if gone else ""
-        print(f"\n(Lines marked `# course` left out: {len(ours)} of {old}'s, {len(theirs)} of "
-              f"{name}'s{removed}. They are the course's own timing and logging; the scripts "
-              f"have them all.)")
+        text += (f"\n\n(Lines marked `# course` left out: {len(ours)} of {old}'s, {len(theirs)} of "
+                 f"{name}'s{removed}. They are the course's own timing and logging; the scripts "
+                 f"have them all.)")
+    _print_or_fold(text, fold)
 
 
 def show_script(path, course=True, fold=None):
@@ -128,6 +131,12 @@ def show_script(path, course=True, fold=None):
         hidden = len(every) - len(shown)
         text += (f"\n\n(Lines marked `# course` left out: {hidden}. They are the course's own timing "
                  f"and logging; the script has them all, and show_script without course=False prints them.)")
+    _print_or_fold(text, fold)
+
+
+def _print_or_fold(text, fold):
+    """Print `text`, or, given a summary line `fold`, display it in a closed HTML <details> that
+    a click opens; frontends without HTML get the plain text."""
     if fold is None:
         print(text)
         return

@@ -1,24 +1,24 @@
 """Notebook 05: ddp_syncbn.py + gradient accumulation with no_sync().
 
     torchrun --standalone --nproc-per-node 2 ddp_accum.py --epochs 2 --accum-steps 4
-Most lines that make it distributed are marked # DDP; the per-rank device, the seed + rank
-seed and the test shard are not. Lines marked # course are the course's
-own timing and logging, not needed in your code: without them it trains the same, to float rounding.
+Every line that makes it distributed is marked # DDP; a mark on an `if` or `with` covers its block.
+Lines marked # course are the course's own timing and logging, not needed in your code:
+without them it trains the same, to float rounding.
 """
 import argparse
-import contextlib
-import os
+import contextlib  # DDP: nullcontext, or model.no_sync()
+import os  # DDP: torchrun passes the rank and world size in environment variables
 import time
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # DDP
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.elastic.multiprocessing.errors import record  # DDP
+from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DataLoader, Subset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data.distributed import DistributedSampler  # DDP
 
-from ddp_lesson import data, metrics, models, syncbn
+from ddp_lesson import data, metrics, models, syncbn  # DDP: syncbn, the course's SyncBatchNorm for CPU ranks
 
 
 def parse_args():
@@ -36,15 +36,14 @@ def parse_args():
     return p.parse_args()
 
 
-def evaluate(model, test_set, rank, world_size, device):
-    # DDP: a plain split rank::world_size counts every test sample once; a DistributedSampler
-    # would pad it with duplicates. Every rank needs at least one test batch: DDP's forward,
-    # model(x), may run a collective, and without a batch the others hang, or on gloo abort.
-    shard = Subset(test_set, range(rank, len(test_set), world_size))
+def evaluate(model, test_set, rank, world_size, device):  # DDP: takes rank and world size
+    # DDP: every rank needs at least one test batch: model(x) may run a collective, and
+    # without a batch the others hang, or on gloo abort.
+    shard = Subset(test_set, range(rank, len(test_set), world_size))  # DDP: each sample once, no padding
     model.eval()
     counts = torch.zeros(2, device=device)  # [correct, seen] on this rank
     with torch.no_grad():
-        for x, y in DataLoader(shard, batch_size=256):
+        for x, y in DataLoader(shard, batch_size=256):  # DDP: this rank's shard
             x, y = x.to(device), y.to(device)
             counts[0] += (model(x).argmax(1) == y).sum()
             counts[1] += len(y)
@@ -61,7 +60,7 @@ def accumulate(model, opt, sched, batches, k, n, device):
         window = min(k, n - i // k * k)  # this window's size; n = 10, k = 4: windows of 4, 4, 2
         last = (i + 1) % k == 0 or i + 1 == n  # end of a window, or of the epoch
         # DDP: no all-reduce on all but the last micro-batch; gradients add up locally
-        with contextlib.nullcontext() if last else model.no_sync():
+        with contextlib.nullcontext() if last else model.no_sync():  # DDP
             out = model(x)
             loss = F.cross_entropy(out, y)
             (loss / window).backward()  # the window's mean; DDP's average makes it the global batch's
@@ -85,16 +84,16 @@ def main():
     dist.init_process_group("nccl" if use_cuda else "gloo")  # DDP: nccl on GPUs, gloo on CPUs
     if use_cuda:
         torch.cuda.set_device(local_rank)                    # DDP: one GPU per process
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")  # DDP: this rank's GPU, or the CPU
     if rank == 0:  # DDP: one rank prints
         print(f"world_size={world_size} backend={dist.get_backend()} "
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    torch.manual_seed(args.seed + rank)  # different on purpose: DDP(...) makes the weights equal
+    torch.manual_seed(args.seed + rank)  # DDP: a seed per rank, on purpose; DDP(...) makes the weights equal
 
     train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
     test_set = data.get(args.dataset, train=False, root=args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)  # DDP
 
     model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
     if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
@@ -128,7 +127,7 @@ def main():
                 print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "
                       f"loss {loss.item():.3f}", end="", flush=True)
         epoch_s = time.perf_counter() - t0
-        test_acc, test_samples = evaluate(model, test_set, rank, world_size, device)
+        test_acc, test_samples = evaluate(model, test_set, rank, world_size, device)  # DDP: passes rank and world size
         metrics.log(step, test_accuracy=test_acc, test_samples=test_samples, epoch_s=epoch_s, epoch=epoch)
         if rank == 0:  # DDP: one rank prints
             print(f"  test accuracy {test_acc:.1%} ({epoch_s:.1f} s)", flush=True)
