@@ -317,7 +317,7 @@ def test_03_every_line_added_to_the_single_process_script_is_marked_ddp():
                "counts = torch.zeros(2, device=device)  # [correct, seen] on this rank",
                "plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it",
                "if use_cuda:"}
-    single = [l for l in script("train_single.py").read_text().splitlines()]
+    single = script("train_single.py").read_text().splitlines()
     text = script("ddp_basic.py").read_text()
     coverage = ddp_coverage(text)
     plain = [(n, l) for n, l in enumerate(text.splitlines(), 1) if not lesson.course_line(l)]
@@ -443,12 +443,6 @@ def test_03b_buffer_rule_is_short_in_the_lesson_and_exact_in_its_fold():
     for name in ("_check_sync_bufs_pre_fwd", "_check_sync_bufs_post_fwd", "require_forward_param_sync",
                  "no_sync()"):
         assert name in fold, name
-
-
-def test_03b_check_cells_are_collapsed():
-    cells = json.loads((ROOT_NB / "03b_ddp_equals_one_process.ipynb").read_text())["cells"]
-    runs = [c for c in cells if c["cell_type"] == "code" and "".join(c["source"]).startswith("# Just run it")]
-    assert len(runs) >= 5 and all(c["metadata"]["jupyter"]["source_hidden"] is True for c in runs)
 
 
 def _all_ok(started, timeout):

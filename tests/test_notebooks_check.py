@@ -26,6 +26,20 @@ def test_every_notebook_passes_check():
     assert "all clean" in out.stdout
 
 
+# 00-05's check cells, a first line `# Just run it`, are collapsed: a learner sees their output;
+# at least this many in each (03b and 03c collapse every check of their sections)
+CHECK_CELLS = {"00_start_here": 4, "01_data_parallel": 1, "03_ddp_torchrun": 4, "03b_ddp_equals_one_process": 5,
+               "03c_averaging_in_ddp": 7, "04_sync_batchnorm": 4, "05_gradient_accumulation": 4}
+
+
+@pytest.mark.parametrize("name", sorted(CHECK_CELLS))
+def test_check_cells_of_the_first_notebooks_are_collapsed(name):
+    cells = json.loads((REPO / "notebooks" / f"{name}.ipynb").read_text())["cells"]
+    checks = [c for c in cells if c["cell_type"] == "code" and "".join(c["source"]).startswith("# Just run it")]
+    assert len(checks) >= CHECK_CELLS[name]
+    assert [c["id"] for c in checks if c["metadata"].get("jupyter", {}).get("source_hidden") is not True] == []
+
+
 @pytest.fixture
 def notebook(tmp_path):
     """A copy of notebook 03 and a function that edits its cells as JSON."""
