@@ -150,7 +150,7 @@ def test_cell_that_drops_its_streams_does_not_kill_the_rank(world):
 
 def doors():
     """The Unix sockets of this user's worlds that are starting (each in its 0700 folder)."""
-    return {str(p) for p in Path(tempfile.gettempdir()).glob("ddp-lesson-world-*/door")}
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("ddp-lesson-door-*/door")}
 
 
 @pytest.fixture(scope="module")

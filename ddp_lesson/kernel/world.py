@@ -492,7 +492,7 @@ class _Door:
 
     def __init__(self, key):
         self.key = key
-        self.folder = isolation.private_dir("ddp-lesson-world-")
+        self.folder = isolation.private_dir("ddp-lesson-door-")
         self.address = os.path.join(self.folder, "door")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.address)
