@@ -177,3 +177,21 @@ def write_bytes(path, data, private=False):
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+ORPHANED = ("The run was ended because what launched it (a notebook's kernel, a terminal's "
+            "command, a Jupyter server) ended during it.")
+
+
+def record_orphaned(run_dir, now=None):
+    """result.json for a run whose launcher died (a killed kernel, a stopped server), written by
+    the run's agent on its way out. The launcher writes it otherwise: never overwrite one."""
+    if not run_dir or result(run_dir).exists() or not config(run_dir).exists():
+        return
+    start = (read_json(config(run_dir), {}) or {}).get("start_unix")
+    duration = round((now or time.time()) - start, 3) if isinstance(start, (int, float)) else None
+    try:
+        write_json(result(run_dir), {"status": "interrupted", "returncode": None, "duration_s": duration,
+                                     "message": ORPHANED})
+    except OSError:
+        pass
