@@ -8,8 +8,10 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -189,6 +191,7 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
     if not found:
         if not warm:
             print("no leftover processes of ddp_lesson runs", file=out)
+        stale_folders(dry_run, out)
         return 0
     for run_dir, ps in sorted(by_run.items()):
         for p in ps:
@@ -209,4 +212,54 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
                                                 "duration_s": None,
                                                 "message": "Ended by `python -m ddp_lesson cleanup`."})
     print(f"ended {len(found)} process(es) of {len(by_run)} run(s)", file=out)
+    stale_folders(dry_run, out)
     return 0
+
+
+TEMP_PREFIXES = ("ddp-lesson-warm-", "ddp-lesson-door-", "torchelastic_")
+STALE_AFTER_S = 60   # younger folders may belong to a launch that is starting
+
+
+def stale_folders(dry_run=False, out=sys.stdout, now=None, tmp=None):
+    """Remove this user's folders in the temporary directory that no live process uses: a
+    warm process's (left by a SIGKILLed kernel), a live world's door, torch's torchelastic_*
+    log folders. Another user's are never touched (they are not ours to see)."""
+    tmp = Path(tmp or tempfile.gettempdir())
+    now = now or time.time()
+    used = _words_of_live_processes()
+    removed = []
+    for path in sorted(tmp.iterdir()):
+        if not path.name.startswith(TEMP_PREFIXES):
+            continue
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_S:
+            continue
+        if any(str(path) in word for word in used) or (path.name.startswith("torchelastic_") and used.run):
+            continue   # a live process names it (torch's are spared while any run of ours lives)
+        print(f"{'would remove' if dry_run else 'removing'} {path}: a stale folder of an earlier run", file=out)
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+class _Words(set):
+    """The command lines and environment values of this user's live processes."""
+    run = False
+
+
+def _words_of_live_processes():
+    words = _Words()
+    for p in procs.mine():
+        try:
+            env = p.environ()
+            words.update(p.cmdline())
+        except psutil.Error:
+            continue
+        words.update(env.values())
+        if rundir.ENV in env or any("torch.distributed.run" in w or "torchrun" in w for w in p.cmdline()):
+            words.run = True
+    return words
