@@ -199,3 +199,40 @@ def test_a_refused_namespace_is_said_in_one_line():
     assert "NOT isolated" in line and "other users" in line and "container" in line
     assert "no other user" in isolation.Status(True).line()
     assert isolation.for_run(single_node=False).isolated is False
+
+
+def test_doctor_counts_other_users_and_gives_a_fair_share(other_user):
+    """Another user's warm process (seen by its command line, as doctor sees a real one):
+    doctor names one other user and halves this learner's share of cores and memory."""
+    import io
+
+    from ddp_lesson import devices, doctor
+    before = len(doctor.other_users())
+    other = subprocess.Popen(["runuser", "-u", other_user, "--", PROBE_PYTHON, "-c",
+                              "import time; time.sleep(60)", "-m", "ddp_lesson.rank.warm_server"])
+    try:
+        assert wait_until(lambda: len(doctor.other_users()) == before + 1, 10)
+        out = io.StringIO()
+        doctor.check_sharing(out)
+    finally:
+        other.kill()
+        other.wait()
+    share = devices.cpu_count() / (2 + before)
+    assert f"{before + 1} other user(s) have ddp_lesson runs" in out.getvalue(), out.getvalue()
+    assert f"your fair share: about {share:.1f} core(s)" in out.getvalue(), out.getvalue()
+
+
+def test_a_run_without_a_private_network_says_so_first(tmp_path, repo_env):
+    """Where runs cannot be isolated (here: turned off), the CLI's first line says that other
+    users could reach the run, and config.json says why."""
+    import sys
+    script = tmp_path / "hi.py"
+    script.write_text("print('hi')\n")
+    env = dict(repo_env, **{isolation.SHARED_ENV: "1"})
+    p = subprocess.run([sys.executable, "-m", "ddp_lesson", "run", "--nproc", "1", "--cpu", "--cold",
+                        "--run-dir", str(tmp_path / "run"), str(script)],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines()[0].startswith("warning: runs are NOT isolated"), p.stderr
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["isolation"] == {"private_network": False, "why": f"{isolation.SHARED_ENV}=1 is set"}
