@@ -257,28 +257,39 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
 
 
 TEMP_PREFIXES = ("ddp-lesson-warm-", "ddp-lesson-door-", "torchelastic_")
-STALE_AFTER_S = 60   # younger folders may belong to a launch that is starting
+SOCKETS = {"ddp-lesson-warm-": "sock", "ddp-lesson-door-": "door"}   # who listens in each folder
+STALE_AFTER_S = 60       # younger folders may belong to a launch that is starting
+NO_SOCKET_AFTER_S = 600  # a warm process importing torch, a world starting, has not bound its socket yet
+TORCH_STALE_AFTER_S = 3600   # torch's own log folders: nothing says which run they belong to
 
 
 def stale_folders(dry_run=False, out=sys.stdout, now=None, tmp=None):
-    """Remove this user's folders in the temporary directory that no live process uses: a
-    warm process's (left by a SIGKILLed kernel), a live world's door, torch's torchelastic_*
-    log folders. Another user's are never touched (they are not ours to see)."""
+    """Remove this user's folders in the temporary directory that nothing uses any more: a warm
+    process's (left by a SIGKILLed kernel) or a live world's door, whose socket nobody listens
+    on; torch's torchelastic_* log folders, untouched for an hour while no run of ours lives.
+    Whether a socket is listened on is asked of the socket itself, not of the processes this
+    process can see (cleanup may run in a PID namespace of its own). Another user's folders are
+    never touched."""
     tmp = Path(tmp or tempfile.gettempdir())
     now = now or time.time()
-    used = _words_of_live_processes()
     removed = []
     for path in sorted(tmp.iterdir()):
-        if not path.name.startswith(TEMP_PREFIXES):
+        prefix = next((p for p in TEMP_PREFIXES if path.name.startswith(p)), None)
+        if prefix is None:
             continue
         try:
             st = path.lstat()
         except OSError:
             continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_S:
+        age = now - st.st_mtime
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or age < STALE_AFTER_S:
             continue
-        if any(str(path) in word for word in used) or (path.name.startswith("torchelastic_") and used.run):
-            continue   # a live process names it (torch's are spared while any run of ours lives)
+        if prefix in SOCKETS:
+            listening = _listening(path / SOCKETS[prefix])
+            if listening or (listening is None and age < NO_SOCKET_AFTER_S):
+                continue
+        elif age < TORCH_STALE_AFTER_S or _a_run_lives():
+            continue
         print(f"{'would remove' if dry_run else 'removing'} {path}: a stale folder of an earlier run", file=out)
         if not dry_run:
             shutil.rmtree(path, ignore_errors=True)
@@ -286,20 +297,24 @@ def stale_folders(dry_run=False, out=sys.stdout, now=None, tmp=None):
     return removed
 
 
-class _Words(set):
-    """The command lines and environment values of this user's live processes."""
-    run = False
+def _listening(path):
+    """True if a process listens on the Unix socket `path`, False if none does, None if there
+    is no socket there."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect(str(path))
+        return True
+    except FileNotFoundError:
+        return None
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True   # a socket we cannot judge: leave it
+    finally:
+        s.close()
 
 
-def _words_of_live_processes():
-    words = _Words()
-    for p in procs.mine():
-        try:
-            env = p.environ()
-            words.update(p.cmdline())
-        except psutil.Error:
-            continue
-        words.update(env.values())
-        if rundir.ENV in env or any("torch.distributed.run" in w or "torchrun" in w for w in p.cmdline()):
-            words.run = True
-    return words
+def _a_run_lives():
+    """Does a process of any ddp_lesson run of this user live (as far as this process sees)?"""
+    return bool(procs.by_run())

@@ -83,11 +83,6 @@ def warm_processes():
     return found
 
 
-def mine():
-    """This user's live processes but this one."""
-    return list(_mine())
-
-
 def _mine():
     """This user's processes but this one: another user's runs are theirs."""
     uid = os.getuid() if hasattr(os, "getuid") else None
