@@ -8,7 +8,7 @@ import signal
 import sys
 
 from . import BadInput
-from .kernel import checks, devices, failures, launch, monitor
+from .kernel import checks, devices, failures, isolation, launch, monitor
 from .rank.bundled import script
 from .kernel.spec import Nodes, Spec
 
@@ -97,6 +97,8 @@ def report(run, out=sys.stdout, err=sys.stderr, echoed=False):
 
 
 def supervise(run, quiet=False):
+    if run.config.get("nnodes") == 1 and not (run.config.get("isolation") or {}).get("private_network"):
+        print(f"warning: {isolation.status().line()}", file=sys.stderr, flush=True)   # the run's first line
     try:
         if quiet:
             run.wait()

@@ -58,3 +58,42 @@ def test_doctor_warns_below_the_torch_floor_and_only_there():
         out = io.StringIO()
         assert doctor.torch_floor_line(version, out) == level, (version, out.getvalue())
         assert out.getvalue().startswith(level) and version in out.getvalue()
+
+
+def test_cleanup_removes_only_this_users_stale_temp_folders(tmp_path, monkeypatch):
+    """A SIGKILLed kernel leaves its warm process's folder, a killed world start its door's,
+    torch its torchelastic_* log folders: cleanup removes those, not a folder whose socket is
+    listened on, a young one (a launch starting) or another user's."""
+    import os
+    import socket
+    import time
+    monkeypatch.setattr(doctor, "_a_run_lives", lambda: False)
+    old, older = time.time() - 900, time.time() - 7200
+    names = ["ddp-lesson-warm-dead", "ddp-lesson-door-nosocket", "ddp-lesson-warm-listening",
+             "ddp-lesson-warm-young", "ddp-lesson-door-theirs", "torchelastic_old", "torchelastic_recent",
+             "unrelated-folder"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(tmp_path / "ddp-lesson-warm-dead" / "sock"))
+    dead.close()   # the socket file stays; nobody listens on it: a SIGKILLed warm process's
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(tmp_path / "ddp-lesson-warm-listening" / "sock"))
+    live.listen(1)
+    for name in names:
+        if name != "ddp-lesson-warm-young":
+            os.utime(tmp_path / name, (older, older) if name == "torchelastic_old" else (old, old))
+    if os.geteuid() == 0:
+        os.chown(tmp_path / "ddp-lesson-door-theirs", 65534, 65534)   # nobody's
+    try:
+        out = io.StringIO()
+        doctor.stale_folders(dry_run=True, out=out, tmp=tmp_path)
+        assert "would remove" in out.getvalue() and all((tmp_path / n).exists() for n in names)
+        removed = doctor.stale_folders(out=io.StringIO(), tmp=tmp_path)
+    finally:
+        live.close()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    expect = {"ddp-lesson-warm-listening", "ddp-lesson-warm-young", "torchelastic_recent", "unrelated-folder"}
+    if os.geteuid() == 0:
+        expect.add("ddp-lesson-door-theirs")
+    assert left == sorted(expect), (left, removed)

@@ -41,7 +41,7 @@ import psutil
 import pytest
 
 from conftest import REPO, SCRIPTS, child_env, processes_under, wait_until
-from ddp_lesson import devices, launch, procs, runs, spec
+from ddp_lesson import devices, launch, procs, rundir, runs, spec
 
 pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")
 from ddp_lesson.bundled import script
@@ -377,6 +377,9 @@ def test_killed_launcher_leaves_nothing_behind(tmp_run_dir, tmp_path):
         out.close()
     print(f"launcher SIGKILLed: agent and ranks gone after {elapsed:.2f} s")
     assert gone, f"alive 10 s after the launcher died: {[p for p in pids if _not_zombie(p)]}"
+    # nobody was left to write result.json but the agent, on its way out
+    result = json.loads((tmp_run_dir / "result.json").read_text())
+    assert result["status"] == "interrupted" and result["message"] == rundir.ORPHANED, result
 
 
 # -- failures --------------------------------------------------------------------------------

@@ -6,8 +6,11 @@ hanging the suite; expectations come from world.world_size, never from "2".
 import os
 import signal
 import socket
+import stat
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -145,16 +148,16 @@ def test_cell_that_drops_its_streams_does_not_kill_the_rank(world):
 
 # -- 3. a silent or slow peer on the listener during start -------------------------------
 
-def listening_ports():
-    return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"}
+def doors():
+    """The Unix sockets of this user's worlds that are starting (each in its 0700 folder)."""
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("ddp-lesson-door-*/door")}
 
 
 @pytest.fixture(scope="module")
 def peer_world(runs_base):
     """A world started while silent peers sat on its listener (section 3); section 4 then
     races a Stop with its restart, so the module pays for one such world, not two."""
-    before = listening_ports()
+    before = doors()
     box = {"peers": []}
 
     def start():
@@ -164,11 +167,15 @@ def peer_world(runs_base):
     t = time.monotonic()
     thread.start()
     try:
-        port = wait_until(lambda: (listening_ports() - before) or None, timeout=30, interval=0.005)
-        assert port, "the world's listener never appeared"
-        port = port.pop()
-        for send in (b"", b"\x00", b"\x00\x00\x00\x20" + b"a" * 8):  # silent, 1 byte, half a message
-            peer = socket.create_connection(("127.0.0.1", port))
+        door = wait_until(lambda: (doors() - before) or None, timeout=30, interval=0.005)
+        assert door, "the world's listener never appeared"
+        door = door.pop()
+        assert stat.S_IMODE(os.stat(os.path.dirname(door)).st_mode) == 0o700
+        # more silent peers than the door handshakes at once: the ranks turned away knock again
+        sends = [b"", b"\x00", b"\x00\x00\x00\x20" + b"a" * 8] + [b""] * world_mod.MAX_HANDSHAKES
+        for send in sends:  # silent, 1 byte, half a message
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.connect(door)
             peer.sendall(send)
             box["peers"].append(peer)
         thread.join(120)

@@ -8,13 +8,15 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
 
-from . import devices, launch, runs
+from . import devices, isolation, launch, runs
 from ..rank import procs, rundir
 from ..rank.bundled import script
 from ..rank.rundir import read_json, write_json
@@ -111,10 +113,50 @@ def check_host(out):
     return levels
 
 
+COURSE_COMMANDS = ("ddp_lesson.rank.guard", "ddp_lesson.rank.warm_server", "torch.distributed.run", "torchrun")
+
+
+def other_users():
+    """{uid: processes} of other users running this course's processes (a run, a warm process):
+    their command lines are visible, their environments are not."""
+    me, found = os.getuid(), {}
+    for p in psutil.process_iter(["uids", "cmdline"]):
+        try:
+            uid, cmd = p.info["uids"].real, " ".join(p.info["cmdline"] or ())
+        except (psutil.Error, AttributeError, TypeError):
+            continue
+        if uid != me and any(c in cmd for c in COURSE_COMMANDS):
+            found[uid] = found.get(uid, 0) + 1
+    return found
+
+
+def check_sharing(out):
+    """On a shared machine (a classroom server): who else runs the course here, this
+    learner's fair share of its cores and memory, and how busy it is now."""
+    others = other_users()
+    cores, users = devices.cpu_count(), 1 + len(others)
+    mem = psutil.virtual_memory()
+    share_cores, share_mem = cores / users, mem.total / users / 2 ** 30
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    who = (f"{len(others)} other user(s) have ddp_lesson runs or warm processes here" if others
+           else "no other user has ddp_lesson runs here now")
+    text = (f"{who}; your fair share: about {share_cores:.1f} core(s) and {share_mem:.1f} GiB of memory "
+            f"(load {load:.1f} on {cores} core(s), {mem.available / 2 ** 30:.1f} GiB free)")
+    if others and share_cores < 2:
+        return [_line("warn", text + ": 2 CPU ranks will share cores with the others; runs will be slower, "
+                                     "not wrong", out)]
+    return [_line("ok", text, out)]
+
+
 def check_store(out):
     """Where a --standalone run's rendezvous store listens. torch (checked up to 2.14) binds
     its TCPStore server to every interface whatever host it is given, and torchrun offers no
-    setting to change that, so the launcher cannot keep it on loopback: say so."""
+    setting to change that, so the launcher cannot keep it on loopback. A run in a private
+    network (isolation.py) has no interface but its own loopback; elsewhere: say so."""
+    private = isolation.status()
+    if private.isolated:
+        return [_line("ok", f"{private.line()} (its rendezvous store included)", out)]
+    _line("warn", private.line(), out)
     import torch.distributed as dist
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     try:
@@ -124,8 +166,8 @@ def check_store(out):
     finally:
         del store
     if bound and all(ip in ("127.0.0.1", "::1") for ip in bound):
-        return [_line("ok", "the rendezvous store of a single-node run listens on loopback only", out)]
-    return [_line("warn", f"the rendezvous store of a single-node run listens on all interfaces "
+        return ["warn", _line("ok", "the rendezvous store of a single-node run listens on loopback only", out)]
+    return ["warn", _line("warn", f"the rendezvous store of a single-node run listens on all interfaces "
                           f"({', '.join(bound) or '?'}, a free port per run; torch offers no loopback "
                           f"setting): on a shared server firewall it off (docs/instructors.md)", out)]
 
@@ -147,7 +189,7 @@ def check_allreduce(out, timeout=120):
 def main(out=sys.stdout):
     print(f"ddp_lesson doctor on {socket.gethostname()} ({platform.platform()})", file=out)
     levels = []
-    for check in (check_versions, check_gpus, check_host, check_store, check_allreduce):
+    for check in (check_versions, check_gpus, check_host, check_sharing, check_store, check_allreduce):
         try:
             levels += check(out)
         except Exception as e:  # a broken check must not hide the others
@@ -189,6 +231,7 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
     if not found:
         if not warm:
             print("no leftover processes of ddp_lesson runs", file=out)
+        stale_folders(dry_run, out)
         return 0
     for run_dir, ps in sorted(by_run.items()):
         for p in ps:
@@ -209,4 +252,69 @@ def cleanup(dry_run=False, everything=False, out=sys.stdout, grace=3.0):
                                                 "duration_s": None,
                                                 "message": "Ended by `python -m ddp_lesson cleanup`."})
     print(f"ended {len(found)} process(es) of {len(by_run)} run(s)", file=out)
+    stale_folders(dry_run, out)
     return 0
+
+
+TEMP_PREFIXES = ("ddp-lesson-warm-", "ddp-lesson-door-", "torchelastic_")
+SOCKETS = {"ddp-lesson-warm-": "sock", "ddp-lesson-door-": "door"}   # who listens in each folder
+STALE_AFTER_S = 60       # younger folders may belong to a launch that is starting
+NO_SOCKET_AFTER_S = 600  # a warm process importing torch, a world starting, has not bound its socket yet
+TORCH_STALE_AFTER_S = 3600   # torch's own log folders: nothing says which run they belong to
+
+
+def stale_folders(dry_run=False, out=sys.stdout, now=None, tmp=None):
+    """Remove this user's folders in the temporary directory that nothing uses any more: a warm
+    process's (left by a SIGKILLed kernel) or a live world's door, whose socket nobody listens
+    on; torch's torchelastic_* log folders, untouched for an hour while no run of ours lives.
+    Whether a socket is listened on is asked of the socket itself, not of the processes this
+    process can see (cleanup may run in a PID namespace of its own). Another user's folders are
+    never touched."""
+    tmp = Path(tmp or tempfile.gettempdir())
+    now = now or time.time()
+    removed = []
+    for path in sorted(tmp.iterdir()):
+        prefix = next((p for p in TEMP_PREFIXES if path.name.startswith(p)), None)
+        if prefix is None:
+            continue
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        age = now - st.st_mtime
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or age < STALE_AFTER_S:
+            continue
+        if prefix in SOCKETS:
+            listening = _listening(path / SOCKETS[prefix])
+            if listening or (listening is None and age < NO_SOCKET_AFTER_S):
+                continue
+        elif age < TORCH_STALE_AFTER_S or _a_run_lives():
+            continue
+        print(f"{'would remove' if dry_run else 'removing'} {path}: a stale folder of an earlier run", file=out)
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _listening(path):
+    """True if a process listens on the Unix socket `path`, False if none does, None if there
+    is no socket there."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect(str(path))
+        return True
+    except FileNotFoundError:
+        return None
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True   # a socket we cannot judge: leave it
+    finally:
+        s.close()
+
+
+def _a_run_lives():
+    """Does a process of any ddp_lesson run of this user live (as far as this process sees)?"""
+    return bool(procs.by_run())

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from .. import BadInput, __version__
-from . import checks, devices, failures, interrupts, stacks, warm
+from . import checks, devices, failures, interrupts, isolation, stacks, warm
 from ..rank import guard, procs, rundir
 from ..rank.rundir import write_json
 from .spec import Nodes, Spec, fields
@@ -241,6 +241,8 @@ def run(spec, run_dir=None):
     rank = ["--rank", str(rundir.script(path)), *spec.args]
     cmd = [sys.executable, "-m", "ddp_lesson.rank.guard", "--agent", "--parent", str(os.getpid()),
            "--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
+    private = isolation.for_run(nodes.count == 1, user_env)   # a network of its own (warm: the warm process's)
+    cmd = private.wrap(cmd)
     # the warm agent: the same torchrun module, told to run the rank's entry file in forked
     # workers (its own --run-path and --start-method fork); the warm process adds --agent --parent
     warm_args = ["--signal", "TERM", *torchrun, "--run-path", "--start-method", "fork",
@@ -260,6 +262,7 @@ def run(spec, run_dir=None):
     # restarts can happen: otherwise runs stay exactly as under plain torchrun.
     if spec.max_restarts > 0:
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    child_env.update(private.env)
     child_env.update(user_env)
     config = {
         **fields(spec, plan),
@@ -271,6 +274,7 @@ def run(spec, run_dir=None):
         "torchrun": torchrun_line(plan.nproc, rdzv, spec.max_restarts, script.name, spec.args),
         "launch": {"mode": "warm" if server else "cold", "why": why_cold,
                    "warm_pid": server.pid if server else None},
+        "isolation": private.config(),
     }
     write_json(rundir.config(path), config)
     warm_spawn = None

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 
+from . import isolation
 from ..rank import procs
 from ..rank.procs import FOR_ENV
 from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
@@ -68,8 +69,8 @@ class Server:
         server_env.setdefault("OPENBLAS_NUM_THREADS", "1")
         server_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"   # asking for GPUs must not initialize CUDA
         with open(os.path.join(self.dir, "server.log"), "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent", str(me), self.path],
+            self.proc = subprocess.Popen(   # in a private network: so are the runs it forks (isolation.py)
+                isolation.wrap([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent", str(me), self.path]),
                 env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                 start_new_session=True, cwd=os.getcwd())
         threading.Thread(target=self._read_hello, name="ddp-lesson-warm-hello", daemon=True).start()

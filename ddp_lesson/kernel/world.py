@@ -8,9 +8,11 @@ the notebook, each in a namespace of its own that persists between calls.
     world.stop()
 
 The ranks are ddp_lesson/rank/world_rank.py under launch.start (run directory, parent-death
-guard, cleanup: everything a launched script has). They connect back to a listener on
-127.0.0.1 that checks a random key (multiprocessing.connection's HMAC handshake); the key
-travels in a 0600 file in the run directory, never on a command line or in config.json.
+guard, cleanup: everything a launched script has). They connect back to a Unix socket in a
+0700 folder (no other user can connect, whatever network the ranks are in) that also checks
+a random key (multiprocessing.connection's HMAC handshake); the key travels in a 0600 file in
+the run directory, never on a command line or in config.json. A rank turned away at the door
+(too many handshakes at once) knocks again until the start's timeout.
 A rank blocked in a collective cannot be interrupted safely, so a call that does not finish
 in time leaves the world refusing more work until restart() (which kills it quickly).
 """
@@ -19,6 +21,7 @@ import pickle
 import queue
 import secrets
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -29,13 +32,12 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from pathlib import Path
 from typing import Optional
 
-from . import checks, devices, interrupts, launch
+from . import checks, devices, interrupts, isolation, launch
 from ..rank import rundir
-from ..rank.world_messages import ADDRESS_ENV, Done, Exit, Gone, Out, Run, valid_hello
+from ..rank.world_messages import ADDRESS_ENV, START_TIMEOUT_S, Done, Exit, Gone, Out, Run, valid_hello
 from .spec import Spec
 
 RANK_SCRIPT = Path(__file__).resolve().parents[1] / "rank" / "world_rank.py"
-START_TIMEOUT_S = 180           # import torch + init_process_group on a busy laptop
 DEFAULT_TIMEOUT_S = 120         # a call's limit unless start() or run() says otherwise
 INTERRUPT_GRACE_S = 3           # after an Interrupt, how long busy ranks get to give up
 EXIT_GRACE_S = 10              # ranks told to leave: torchrun may take seconds to notice
@@ -113,7 +115,7 @@ class World:
 
     @property
     def address(self):
-        """(host, port) the ranks connected to."""
+        """The path of the Unix socket the ranks connected to (gone once they are in)."""
         return self._address
 
     @property
@@ -314,7 +316,7 @@ class World:
             key = secrets.token_bytes(32)
             with _Door(key) as door:
                 self._address = door.address
-                run = launch.run(replace(self._spec, env={ADDRESS_ENV: "%s:%d" % door.address},
+                run = launch.run(replace(self._spec, env={ADDRESS_ENV: door.address},
                                          private_files={rundir.WORLD_KEY: key}),
                                  run_dir=rundir.new_path(name="world"))
                 try:
@@ -482,16 +484,19 @@ class _Inbox:
 
 
 class _Door:
-    """The listener the ranks connect back to, on 127.0.0.1. Any local user can connect,
-    so each peer's key handshake (multiprocessing.connection's HMAC challenge) and hello
-    run on a thread of their own with a deadline per read: a silent or slow peer costs
-    the ranks nothing and is dropped after HANDSHAKE_S. Closing it ends every handshake
-    still going."""
+    """The listener the ranks connect back to: a Unix socket in a new 0700 folder, so only
+    this user's processes can connect. Each peer's key handshake (multiprocessing.connection's
+    HMAC challenge) and hello still run on a thread of their own with a deadline per read: a
+    silent or slow peer costs the ranks nothing and is dropped after HANDSHAKE_S. Closing it
+    ends every handshake still going and removes the folder."""
 
     def __init__(self, key):
         self.key = key
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.address = self.sock.getsockname()[:2]
+        self.folder = isolation.private_dir("ddp-lesson-door-")
+        self.address = os.path.join(self.folder, "door")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.address)
+        self.sock.listen(64)
         self.lock = threading.Lock()
         self.pending, self.ready, self.closed = set(), [], False
 
@@ -555,6 +560,7 @@ class _Door:
         for conn, _ in left:
             conn.close()
         self.sock.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _read_deadline(sock, seconds):

@@ -22,16 +22,18 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ..rank import chain
+from ..rank import chain, rundir
 from ..kernel import launch
 from ..rank.bundled import load as load_script, script  # noqa: F401 (the notebooks import them from here)
 
 
 
 def work_dir(path="work"):
-    """The folder the notebooks' %%writefile cells write into; created if missing."""
+    """The folder the notebooks' %%writefile cells write into; created if missing, readable
+    by this user only (0700: a learner's edited scripts are theirs)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    rundir.private_dirs(path)
+    path.mkdir(exist_ok=True)   # a file of that name still raises, as before
     return path
 
 

@@ -182,6 +182,7 @@ def _other_forked_failures(rows):
 def run_agent(argv):
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     os.environ[AGENT_ENV] = str(os.getpid())
+    launcher = os.getppid()
     try:
         run_target(argv, rank=None)
     except BaseException as e:
@@ -189,6 +190,8 @@ def run_agent(argv):
         raise
     finally:
         sweep()
+        if os.getppid() != launcher:   # nobody is left to say how the run ended: say it here
+            rundir.record_orphaned(_run_identity()[0])
 
 
 def _orphaned_agent():
@@ -196,6 +199,7 @@ def _orphaned_agent():
     end the subtree and exit anyway."""
     time.sleep(AGENT_TEARDOWN_S)
     sweep()
+    rundir.record_orphaned(_run_identity()[0])
     os._exit(1)
 
 

@@ -117,14 +117,33 @@ def new_path(base=None, name="run"):
     return Path(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{secrets.token_hex(2)}"
 
 
+def private_dirs(path):
+    """Make `path` and the parents it lacks, each readable by this user only (0700), whatever
+    the umask: on a shared machine another user must not read a run's script, logs or token."""
+    path = Path(path)
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:
+            continue   # made by another run meanwhile: left as it is
+        os.chmod(p, 0o700)
+
+
 def create(path):
-    """Create the run directory with logs/ and metrics/ and return its absolute path.
+    """Create the run directory (0700) with logs/ and metrics/ and return its absolute path.
     Raises FileExistsError when another run already claimed it (logs/ is the claim: only one
     creator can make it), NotADirectoryError or OSError otherwise."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    logs(path).mkdir()
-    metrics(path).mkdir(exist_ok=True)
+    private_dirs(path)
+    os.chmod(path, 0o700)   # also a given folder that existed (empty)
+    logs(path).mkdir(mode=0o700)
+    metrics(path).mkdir(mode=0o700, exist_ok=True)
     return path.resolve()
 
 
@@ -142,8 +161,8 @@ def write_json(path, data):
 
 
 def write_bytes(path, data, private=False):
-    """Write `data` to `path` atomically. private: the file is created anew, readable by this
-    user only (0600), whatever a stale temporary file had."""
+    """Write `data` to `path` atomically, readable by this user only (0600: config.json holds
+    the run's token). private: the file is created anew, whatever a stale temporary file had."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if private:
@@ -153,7 +172,26 @@ def write_bytes(path, data, private=False):
             pass
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     else:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+ORPHANED = ("The run was ended because what launched it (a notebook's kernel, a terminal's "
+            "command, a Jupyter server) ended during it.")
+
+
+def record_orphaned(run_dir, now=None):
+    """result.json for a run whose launcher died (a killed kernel, a stopped server), written by
+    the run's agent on its way out. The launcher writes it otherwise: never overwrite one."""
+    if not run_dir or result(run_dir).exists() or not config(run_dir).exists():
+        return
+    start = (read_json(config(run_dir), {}) or {}).get("start_unix")
+    duration = round((now or time.time()) - start, 3) if isinstance(start, (int, float)) else None
+    try:
+        write_json(result(run_dir), {"status": "interrupted", "returncode": None, "duration_s": duration,
+                                     "message": ORPHANED})
+    except OSError:
+        pass

@@ -10,7 +10,8 @@ since the ranks import it.
 """
 from typing import NamedTuple, Optional
 
-ADDRESS_ENV = "DDP_LESSON_WORLD_ADDRESS"   # HOST:PORT where a rank connects back to the kernel
+ADDRESS_ENV = "DDP_LESSON_WORLD_ADDRESS"   # the Unix socket where a rank connects back to the kernel
+START_TIMEOUT_S = 180   # a world's start: import torch + init_process_group on a busy laptop
 
 
 class Run(NamedTuple):

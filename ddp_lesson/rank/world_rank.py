@@ -19,7 +19,7 @@ import traceback
 from multiprocessing.connection import Client
 
 from ddp_lesson.rank import rundir   # standard library only, like this file
-from ddp_lesson.rank.world_messages import ADDRESS_ENV, Done, Exit, Hello, Out
+from ddp_lesson.rank.world_messages import ADDRESS_ENV, START_TIMEOUT_S, Done, Exit, Hello, Out
 
 GATHER_S = 0.02          # printed lines reach the kernel within this (one message)
 GATHER_BYTES = 1 << 16   # or sooner, once this much is waiting
@@ -180,6 +180,22 @@ def run_cell(code, namespace, filename, channel):
         return None, _learner_traceback(e)
 
 
+def knock(address, key, deadline_s=START_TIMEOUT_S):
+    """The kernel's connection, through its door (a Unix socket). A door busy with other
+    handshakes turns a rank away (it closes the connection): knock again, until the start's
+    timeout."""
+    end, pause = time.monotonic() + deadline_s, 0.05
+    while True:
+        try:
+            return Client(address, family="AF_UNIX", authkey=key)
+        except (EOFError, ConnectionError) as e:
+            if time.monotonic() + pause > end:
+                raise RuntimeError(f"The kernel's door turned this rank away until the start's "
+                                   f"timeout ({deadline_s} s): {type(e).__name__}") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+
 def main():
     import torch
     import torch.distributed as dist
@@ -202,9 +218,8 @@ def main():
         device = torch.device("cpu")
         dist.init_process_group(backend)
 
-    host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
     key = _read_key(rundir.from_env())
-    channel = Channel(Client((host, int(port)), authkey=key))
+    channel = Channel(knock(os.environ[ADDRESS_ENV], key))
     del key
     signal.signal(signal.SIGINT, channel.on_interrupt)   # ignores Ctrl-C until a cell runs
     channel.send(Hello(rank, os.getpid(), world_size, str(device)))
