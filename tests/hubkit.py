@@ -62,8 +62,8 @@ def course_python(base):
 
     This interpreter itself when others can use it; else (pyenv under a 0700 /root, the
     guide's "venv under a 0700 home" pitfall) a venv made from the system's python of the same
-    version under `base`, seeing a hard-linked copy of this interpreter's site-packages (cp -al:
-    seconds, no download). Returns (python, why) or (None, why not)."""
+    version under `base`, seeing this interpreter's site-packages through a read-only bind mount
+    (else a hard-linked copy: seconds, no download). Returns (python, why) or (None, why not)."""
     if others_can_use(sys.executable) and others_can_use(Path(sys.prefix)):
         return sys.executable, "this interpreter is readable by every user"
     v = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -71,19 +71,39 @@ def course_python(base):
     if system is None:
         return None, f"{sys.executable} is not readable by other users and there is no system python{v}"
     import site
-    site_packages = Path(site.getsitepackages()[0])
-    copy = base / "site-packages"
-    out = subprocess.run(["cp", "-al", str(site_packages), str(copy)], capture_output=True, text=True)
-    if out.returncode:
-        return None, f"cannot hard-link {site_packages} for the learners: {out.stderr.strip()}"
-    venv = base / "venv"
-    subprocess.run([system, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    (venv / "lib" / f"python{v}" / "site-packages" / "course.pth").write_text(f"{copy}\n")
+    parts = {Path(site.getsitepackages()[0]): base / "site-packages"}
     for part in ("etc/jupyter", "share/jupyter"):   # server extensions enabled, JupyterLab's assets, kernels
         if (Path(sys.prefix) / part).is_dir():
-            (venv / part).parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["cp", "-al", str(Path(sys.prefix) / part), str(venv / part)], check=True)
-    return str(venv / "bin" / "python"), f"a venv from {system} over a hard-linked copy of {site_packages}"
+            parts[Path(sys.prefix) / part] = base / "venv" / part
+    venv = base / "venv"
+    subprocess.run([system, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    for source, copy in parts.items():
+        copy.mkdir(parents=True, exist_ok=True)
+        # a read-only bind mount (instant; remove_base() undoes it), else hard links (seconds)
+        if subprocess.run(["mount", "--bind", "-o", "ro", str(source), str(copy)], capture_output=True).returncode:
+            copy.rmdir()
+            out = subprocess.run(["cp", "-al", str(source), str(copy)], capture_output=True, text=True)
+            if out.returncode:
+                return None, f"cannot give the learners {source}: {out.stderr.strip()}"
+    (venv / "lib" / f"python{v}" / "site-packages" / "course.pth").write_text(f"{base / 'site-packages'}\n")
+    site_packages = list(parts)[0]
+    return str(venv / "bin" / "python"), f"a venv from {system} seeing {site_packages} through {base}"
+
+
+def mounts_under(base):
+    mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+    return sorted((m for m in mounts if m.startswith(f"{base}/")), key=len, reverse=True)
+
+
+def remove_base(base):
+    """Undo course_python's bind mounts under base (deepest first), then remove base; never
+    while a mount is left there: rm would reach into the course interpreter's own files."""
+    for m in mounts_under(base):
+        subprocess.run(["umount", m], capture_output=True)
+    left = mounts_under(base)
+    if left:
+        raise RuntimeError(f"still mounted, {base} left in place: {left}")
+    subprocess.run(["rm", "-rf", "--one-file-system", str(base)])
 
 
 def make_user(name):
@@ -103,6 +123,8 @@ def drop_user(name):
             p.kill()
         except psutil.Error:
             pass
+    for path in owned_in(["/tmp", "/dev/shm"], uid):    # what its runs left there (a deleted
+        subprocess.run(["rm", "-rf", "--one-file-system", path])   # user's uid is given out again)
     subprocess.run(["userdel", "-r", "-f", name], capture_output=True)
 
 
@@ -465,3 +487,25 @@ def make_base():
     base = Path(tempfile.mkdtemp(prefix="ddp-lesson-hubtest-"))
     base.chmod(0o755)
     return base
+
+
+def memory(uid):
+    """MiB of uid's processes by kind (the server, kernels, warm processes, the rest: run and
+    world processes), read as root from /proc/<pid>/smaps_rollup: {kind: [pss, private]}. PSS
+    splits shared pages (torch's libraries, also among learners) between the processes that map
+    them; private pages are what each further learner adds."""
+    kinds = {}
+    for p in user_processes(uid):
+        try:
+            args = " ".join(p.cmdline())
+            parent = " ".join(psutil.Process(p.ppid()).cmdline())
+            rollup = Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines()
+        except (OSError, psutil.Error):
+            continue
+        kb = {k: sum(int(line.split()[1]) for line in rollup if line.startswith(k))
+              for k in ("Pss:", "Private_")}
+        kind = ("server" if "jupyterhub.singleuser" in args else "kernel" if "ipykernel" in args
+                else "warm" if "ddp_lesson.rank.warm_server" in args and "ipykernel" in parent else "run")
+        old = kinds.get(kind, [0, 0])
+        kinds[kind] = [old[0] + kb["Pss:"] / 1024, old[1] + kb["Private_"] / 1024]
+    return {k: [round(v[0]), round(v[1])] for k, v in sorted(kinds.items())}

@@ -35,6 +35,7 @@ import json, os, sys, time
 from pathlib import Path
 from ddp_lesson import launch, world
 from ddp_lesson.lesson import script, work_dir
+import torch, matplotlib.pyplot    # what notebook 00's first cells load
 work_dir()     # ./work, beside the notebook: the scripts a learner edits
 print(json.dumps({"cwd": os.getcwd(), "cores": sorted(os.sched_getaffinity(0)), "uid": os.getuid(),
                   "python": sys.executable}))
@@ -136,16 +137,20 @@ def room():
             print(f"hub test: hub, servers and kernels up in {time.monotonic() - t0:.0f} s ({how})")
             yield {"hub": hub, "learners": learners, "users": users, "cores": cores, "python": python,
                    "base": base, "how": how}
+            t0 = time.monotonic()
             for l in learners:
                 l.close()
             for name in NAMES:
                 if (hub.api("GET", f"/users/{name}").get("servers") or {}).get(""):
                     hub.stop_server(name)
+            print(f"hub test: servers stopped in {time.monotonic() - t0:.0f} s")
+        print(f"hub test: hub stopped at {time.monotonic() - t0:.0f} s")
     finally:
         PROFILE_D.unlink(missing_ok=True)
         for name in NAMES:
             hubkit.drop_user(name)
-        shutil.rmtree(base, ignore_errors=True)
+        hubkit.remove_base(base)
+        print(f"hub test: torn down at {time.monotonic() - t0:.0f} s")
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +159,19 @@ def session(room):
     that another learner probes before they are released."""
     learners = room["learners"]
     t0 = time.monotonic()
-    got = {"setup": all_at_once(learners, SETUP), "lesson": all_at_once(learners, LESSON, 400)}
+    got = {"setup": all_at_once(learners, SETUP)}
+    got["memory"] = {"kernel open": {l.name: hubkit.memory(room["users"][l.name].pw_uid) for l in learners}}
+    got["lesson"] = all_at_once(learners, LESSON, 400)
+    got["memory"]["after a run"] = {l.name: hubkit.memory(room["users"][l.name].pw_uid) for l in learners}
     for l in learners:
         out, error = l.execute(HELD_SCRIPT)      # a %%writefile cell, as the notebooks' scripts are saved
         assert error is None and "work/held.py" in out, (out, error)
     got["held"] = all_at_once(learners, HOLD, 400)
+    got["memory"]["held run"] = {l.name: hubkit.memory(room["users"][l.name].pw_uid) for l in learners}
     got["world"] = all_at_once(learners, WORLD, 400)
+    got["memory"]["held run and live world"] = {l.name: hubkit.memory(room["users"][l.name].pw_uid)
+                                                for l in learners}
+    print("hub test: PSS MiB per learner:", json.dumps(got["memory"]))
     got["probes"] = {}
     for victim, attacker in ((learners[0], learners[1]), (learners[1], learners[0])):
         uid = room["users"][victim.name].pw_uid
