@@ -376,24 +376,8 @@ class Learner:
 
 # --- what another user can reach of a learner's sockets ---
 
-def _listeners(pid, uid):
-    """(family, port) of TCP listeners of uid in pid's network namespace, read as root from
-    /proc/<pid>/net: the addresses another user would need."""
-    found = set()
-    for family, name in ((socket.AF_INET, "tcp"), (socket.AF_INET6, "tcp6")):
-        try:
-            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] == "0A" and int(f[7]) == uid:    # LISTEN, owned by uid
-                found.add((family, int(f[1].rsplit(":", 1)[1], 16)))
-    return found
-
-
-def _unix_paths(pid):
-    """Paths (abstract names start with @) of the Unix sockets pid holds."""
+def _sockets(pid):
+    """Inodes of the sockets pid holds."""
     inodes = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -403,18 +387,45 @@ def _unix_paths(pid):
                 continue
             if link.startswith("socket:["):
                 inodes.add(link[8:-1])
+    except OSError:
+        pass
+    return inodes
+
+
+def _endpoints_of(pid):
+    """The TCP listeners ((family, port)) and Unix socket paths (abstract names start with @)
+    that pid holds, read as root from /proc/<pid>/net: in pid's own network namespace."""
+    inodes, tcp, unix = _sockets(pid), set(), set()
+    for family, name in ((socket.AF_INET, "tcp"), (socket.AF_INET6, "tcp6")):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for f in (line.split() for line in lines):
+            if f[3] == "0A" and f[9] in inodes:      # LISTEN, held by pid
+                tcp.add((family, int(f[1].rsplit(":", 1)[1], 16)))
+    try:
         lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
     except OSError:
-        return set()
-    return {f[7] for f in (line.split() for line in lines) if len(f) > 7 and f[6] in inodes}
+        lines = []
+    unix = {f[7] for f in (line.split() for line in lines) if len(f) > 7 and f[6] in inodes}
+    return tcp, unix
 
 
 def endpoints(uid):
-    """Every TCP listener and Unix socket path of uid's processes, as root sees them."""
+    """Every TCP listener and Unix socket path of uid's course processes (warm processes, runs,
+    live worlds), as root sees them: the addresses another user would need. The learner's
+    Jupyter server and kernels are left out: their ports are Jupyter's, guarded by its tokens."""
     tcp, unix = set(), set()
     for p in user_processes(uid):
-        tcp |= _listeners(p.pid, uid)
-        unix |= _unix_paths(p.pid)
+        try:
+            args = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "ddp_lesson" in args and "ipykernel" not in args and "jupyterhub" not in args:
+            t, u = _endpoints_of(p.pid)
+            tcp |= t
+            unix |= u
     return {"tcp": sorted(tcp), "unix": sorted(unix)}
 
 

@@ -179,6 +179,9 @@ def session(room):
                   "store_port": got["held"][victim.name]["store_port"]}
         report = hubkit.probe_as(attacker.name, room["python"], room["base"], target)
         got["probes"][victim.name] = {"target": target, "report": report}
+        print(f"hub test: {attacker.name} tried {len(target['tcp'])} TCP listener(s) and {len(target['unix'])} "
+              f"Unix socket(s) of {victim.name}'s run and world, and its run folder; reached: "
+              f"{hubkit.reachable(report) or 'nothing'}")
     got["release"] = all_at_once(learners, RELEASE, 400)
     print(f"hub test: the session's cells and probes took {time.monotonic() - t0:.0f} s")
     return got
