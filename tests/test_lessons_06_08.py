@@ -160,3 +160,17 @@ def test_08_check_job_runs_the_script_and_rejects_near_misses():
         with pytest.raises(AssertionError):
             check_job(text)
             print("accepted", name)
+
+
+def test_06_to_08_have_few_long_sentences_and_no_nested_parentheses():
+    """The issue's measure (tools/prose.py) over 06-08 together: at most 10 sentences over 35
+    words, none with parentheses inside parentheses."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import prose
+    long, nested = [], []
+    for name in NOTEBOOKS:
+        lg, ns = prose.measure(REPO / "notebooks" / f"{name}.ipynb")
+        long += [(name, i, s[:100]) for i, s in lg]
+        nested += [(name, i, s[:100]) for i, s in ns]
+    assert not nested, nested
+    assert len(long) <= 10, "\n".join(map(str, long))
