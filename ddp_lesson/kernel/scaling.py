@@ -130,7 +130,9 @@ def check(rows, cores):
     """Notebook 06's checks of a measurement, the ones that hold on a crowded machine too:
     returns the list of launches that were contended (the wall-clock checks then do not apply).
     - each rank does the same work per step at every rank count: CPU time per compute step
-      within 25% of one rank's (a per-rank batch that shrank with n would fail);
+      within 0.6x-1.75x of one rank's. A crowded machine stretches CPU time a little too (shared
+      caches, switches between processes: 1.38x measured at 4 ranks on 2 cores, load 15); a
+      per-rank batch that doubled or halved with n falls outside;
     - more ranks than cores: every such launch is seen as contended (its ranks shared cores);
     - the model's speed-up is n * step(1) / step(n) of the measured parts, compute + all-reduce.
     """
@@ -138,7 +140,7 @@ def check(rows, cores):
     base = by_n[1]
     for r in rows:
         n = r["nproc"]
-        assert 0.75 < r["cpu_ratio"] < 1.33, (
+        assert 0.6 < r["cpu_ratio"] < 1.75, (
             f"{n} ranks: {r['compute_cpu_s'] * 1e3:.1f} ms of CPU per compute step against "
             f"{base['compute_cpu_s'] * 1e3:.1f} ms on 1 rank: the work per rank per step changed")
         if n > cores:

@@ -62,8 +62,8 @@ def main():
 
     def timed(fn, n, together=False):
         """Wall and CPU seconds of each of n calls. CPU time (this process, all its threads)
-        counts only while the rank runs on a core: a crowded machine stretches the wall time,
-        not the CPU time. together: every rank starts each call at the same moment."""
+        counts only while the rank runs on a core: a crowded machine stretches the wall time
+        far more than the CPU time. together: every rank starts each call at the same moment."""
         wall, cpu = [], []
         for i in range(n):
             if together:
