@@ -67,3 +67,110 @@ def test_07_detail_debug_crashes_ddp_on_gloo(level, crashes, tmp_path):
         assert out.returncode == -signal.SIGSEGV and "built" not in out.stdout, (out.returncode, out.stderr[-2000:])
     else:
         assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
+
+
+# -- 06: the checks that hold on a crowded machine (ddp_lesson.scaling.check), each with a planted bug --
+def _rows(cpu=(0.008, 0.008, 0.008), share=(1.0, 0.95, 0.45), cores=2):
+    from ddp_lesson import scaling
+    rows = []
+    for n, c, s in zip((1, 2, 4), cpu, share):
+        rows.append({"nproc": n, "steps": 128 // n, "step_s": 0.010 * (1 if n <= cores else 2), "compute_s": c / s,
+                     "compute_max_s": c / s * 1.05, "allreduce_s": 0.001, "compute_cpu_s": c, "step_cpu_s": c,
+                     "cpu_share": s})
+    return scaling.analyse(rows)
+
+
+def test_06_scaling_check_passes_a_sound_measurement():
+    from ddp_lesson import scaling
+    assert scaling.check(_rows(), cores=2) == [4]        # 4 ranks on 2 cores: contended, and said so
+
+
+@pytest.mark.parametrize("plant, words", [
+    ("nonsense model", "the model says"),                 # pred_speedup = n, the review's plant
+    ("work grew with n", "the work per rank per step changed"),   # a per-rank batch that grew with n
+    ("oversubscribed unseen", "yet each got"),            # 4 ranks on 2 cores, each with a full core?
+])
+def test_06_scaling_check_fails_a_planted_bug(plant, words):
+    from ddp_lesson import scaling
+    rows = _rows(cpu=(0.008, 0.008, 0.016) if plant == "work grew with n" else (0.008,) * 3,
+                 share=(1.0, 0.95, 0.95) if plant == "oversubscribed unseen" else (1.0, 0.95, 0.45))
+    if plant == "nonsense model":
+        for r in rows:
+            r["pred_speedup"] = float(r["nproc"])
+    with pytest.raises(AssertionError, match=words):
+        scaling.check(rows, cores=2)
+
+
+def test_06_solution_cells_do_not_grade_the_learners_cell():
+    """A solved exercise must not make its solution cell fail: no cell asserts that the
+    learner's own function is still wrong (the old `assert not grade(...)`)."""
+    for name in NOTEBOOKS:
+        for c in cells(name):
+            text = "".join(c["source"])
+            assert "assert not grade(" not in text, (name, text[:200])
+            if "# solution" in text:
+                assert c["metadata"].get("jupyter", {}).get("source_hidden"), (name, text[:80])
+
+
+# -- 07: the exercise's checker follows its spec: None where no rank raised --
+def test_07_first_failure_checker_takes_the_spec_and_rejects_wrong_answers():
+    from ddp_lesson.exercises import check_first_failure
+    crashed = {"status": "failed", "failure": {"rank": 1, "message": "RuntimeError: boom\nmore", "exitcode": 1}}
+    timed_out = {"status": "timeout", "failure": None}
+    no_key = {"status": "timeout"}
+    right = lambda r: (r["failure"]["rank"], r["failure"]["message"].splitlines()[0]) if r.get("failure") else None
+    assert check_first_failure(right, crashed, timed_out) and check_first_failure(right, crashed, no_key)
+    for wrong in (lambda r: None, lambda r: (0, "rank 0 failed"),
+                  lambda r: (r["failure"]["rank"], r["failure"]["message"]) if r.get("failure") else None,   # two lines
+                  lambda r: (r.get("failure") or {}).get("rank"), ):
+        with pytest.raises((AssertionError, TypeError)):
+            check_first_failure(wrong, crashed, timed_out)
+
+
+# -- 08: the checkers judge what the exercise asks --
+def test_08_check_ranks_takes_any_right_rule_and_no_hard_coded_size():
+    from ddp_lesson.exercises import check_ranks
+    right = lambda n, l, p: n * p + l
+    assert check_ranks(right, lambda env: f"cuda:{int(env['LOCAL_RANK'])}")
+    assert check_ranks(right, lambda env: f"cuda:{int(env['RANK']) % int(env['LOCAL_WORLD_SIZE'])}")
+    for g, d in ((lambda n, l, p: n * 4 + l, lambda env: f"cuda:{env['LOCAL_RANK']}"),
+                 (right, lambda env: f"cuda:{int(env['RANK']) % 4}"),
+                 (right, lambda env: f"cuda:{env['RANK']}")):
+        with pytest.raises(AssertionError):
+            check_ranks(g, d)
+
+
+def test_08_check_job_runs_the_script_and_rejects_near_misses():
+    from ddp_lesson import slurm
+    from ddp_lesson.exercises import check_job
+    good = slurm.sbatch_script("ddp_basic.py", nodes=4, gpus_per_node=8, partition="gpu",
+                               env={"NCCL_SOCKET_IFNAME": "ib0"}, args=["--epochs", "10"])
+    assert check_job(good)
+    wrong = {
+        "a fixed port": slurm.sbatch_script("ddp_basic.py", nodes=4, gpus_per_node=8, partition="gpu", port=29400,
+                                            env={"NCCL_SOCKET_IFNAME": "ib0"}, args=["--epochs", "10"]),
+        "--nnodes 1": good.replace("--nnodes $SLURM_NNODES", "--nnodes 1"),
+        "a localhost endpoint": good.replace("$head_node:$head_port", "localhost:$head_port"),
+        "8 tasks a node": good.replace("--ntasks-per-node=1", "--ntasks-per-node=8"),
+        "the export commented out": good.replace("export NCCL_SOCKET_IFNAME", "# export NCCL_SOCKET_IFNAME"),
+        "an #SBATCH after the first command": good.replace("#SBATCH --partition=gpu\n", "") + "#SBATCH --partition=gpu\n",
+        "another script": good.replace("ddp_basic.py", "train.py"),
+    }
+    for name, text in wrong.items():
+        with pytest.raises(AssertionError):
+            check_job(text)
+            print("accepted", name)
+
+
+def test_06_to_08_have_few_long_sentences_and_no_nested_parentheses():
+    """The issue's measure (tools/prose.py) over 06-08 together: at most 10 sentences over 35
+    words, none with parentheses inside parentheses."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import prose
+    long, nested = [], []
+    for name in NOTEBOOKS:
+        lg, ns = prose.measure(REPO / "notebooks" / f"{name}.ipynb")
+        long += [(name, i, s[:100]) for i, s in lg]
+        nested += [(name, i, s[:100]) for i, s in ns]
+    assert not nested, nested
+    assert len(long) <= 10, "\n".join(map(str, long))

@@ -21,9 +21,9 @@ def test_content():
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "export NCCL_SOCKET_IFNAME=ib0",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
-                 "srun --cpus-per-task=$SLURM_CPUS_PER_TASK torchrun"):   # srun does not inherit it
-        assert line in text, line
-    cmd = " ".join(l.strip().rstrip("\\") for l in text.split(" torchrun", 1)[1].splitlines())
+                 f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK {sys.executable} -m torch.distributed.run"):
+        assert line in text, line   # srun does not inherit --cpus-per-task; torchrun needs no PATH
+    cmd = " ".join(l.strip().rstrip("\\") for l in text.split(" torch.distributed.run", 1)[1].splitlines())
     assert "--nnodes $SLURM_NNODES" in cmd
     assert "--nproc-per-node 4" in cmd
     assert "--rdzv-backend c10d" in cmd
@@ -33,6 +33,15 @@ def test_content():
     assert "--rdzv-id $SLURM_JOB_ID" in cmd
     assert cmd.split()[-3:] == ["ddp_basic.py", "--epochs", "3"]
     assert "--standalone" not in text and "torch.distributed.launch" not in text
+
+
+def test_python_is_the_interpreter_that_runs_torchrun():
+    """No bare `torchrun` command: a kernel whose environment is not on PATH (a hub kernelspec,
+    venv/bin/jupyter without activation) would get "execve(): torchrun: No such file"."""
+    text = slurm.sbatch_script("t.py", python="/opt/my env/bin/python")
+    commands = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+    assert not any(w == "torchrun" for l in commands for w in l.split())
+    assert "srun --cpus-per-task=$SLURM_CPUS_PER_TASK '/opt/my env/bin/python' -m torch.distributed.run" in text
 
 
 def test_quoting_and_bad_input():
@@ -45,11 +54,12 @@ def test_quoting_and_bad_input():
 
 
 def run_with_stubs(job, nodelist, nnodes, job_id, cpus, scontrol, srun):
-    """bash runs the sbatch script with Slurm's variables set and scontrol, srun and torchrun as
-    stub shell functions (exported through the environment); torchrun only echoes its flags."""
+    """bash runs the sbatch script with Slurm's variables set and scontrol and srun as stub shell
+    functions (exported through the environment); srun gets `python -m torch.distributed.run ...`
+    and the stubs the tests give it only echo it."""
     env = dict(os.environ, SLURM_JOB_NODELIST=nodelist, SLURM_NNODES=str(nnodes),
                SLURM_JOB_ID=str(job_id), SLURM_CPUS_PER_TASK=str(cpus))
-    for name, body in (("scontrol", scontrol), ("srun", srun), ("torchrun", 'echo "TORCHRUN $*"')):
+    for name, body in (("scontrol", scontrol), ("srun", srun)):
         env[f"BASH_FUNC_{name}%%"] = "() {  " + body + "\n}"
     return subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
 
@@ -61,7 +71,8 @@ def test_runs_with_stub_slurm(tmp_path):
     job = tmp_path / "job.sbatch"
     slurm.write(job, "ddp_basic.py", nodes=2, gpus_per_node=4, args=["--epochs", "1"])
     out = run_with_stubs(job, nodelist="gpu-node-[07-08]", nnodes=2, job_id=4242, cpus=32,
-                         scontrol='printf "gpu-node-07\\ngpu-node-08\\n"', srun='echo "SRUN $1"; shift; "$@"')
+                         scontrol='printf "gpu-node-07\\ngpu-node-08\\n"',
+                         srun='echo "SRUN $1"; shift; echo "PYTHON $1 $2 $3"; shift 3; echo "TORCHRUN $*"')
     assert out.returncode == 0, out.stderr
     line = [l for l in out.stdout.splitlines() if l.startswith("TORCHRUN")][0]
     assert line == ("TORCHRUN --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d "
@@ -69,6 +80,7 @@ def test_runs_with_stub_slurm(tmp_path):
                     "ddp_basic.py --epochs 1")
     assert "rendezvous at gpu-node-07:24242" in out.stdout   # 20000 + 4242 % 20000
     assert "SRUN --cpus-per-task=32" in out.stdout
+    assert f"PYTHON {sys.executable} -m torch.distributed.run" in out.stdout
 
 
 def test_long_node_list_under_pipefail(tmp_path):
@@ -78,7 +90,7 @@ def test_long_node_list_under_pipefail(tmp_path):
     job = tmp_path / "job.sbatch"
     slurm.write(job, "t.py", nodes=4000, gpus_per_node=1)
     out = run_with_stubs(job, nodelist="n[0000-3999]", nnodes=4000, job_id=7, cpus=8,
-                         scontrol="for i in $(seq -w 0 3999); do echo n$i; done", srun='shift; "$@"')
+                         scontrol="for i in $(seq -w 0 3999); do echo n$i; done", srun='echo "$@"')
     assert out.returncode == 0, out.stderr
     assert "--rdzv-endpoint n0000:20007 " in out.stdout
 

@@ -3,7 +3,7 @@
     print(slurm.sbatch_script("ddp_basic.py", nodes=2, gpus_per_node=4, args=["--epochs", "3"]))
 
 sbatch runs the script once, on the first node; its `srun` starts one task per node
-(`--ntasks-per-node=1`); each task is a torchrun agent that starts `gpus_per_node` ranks; the agents meet through a c10d rendezvous on
+(`--ntasks-per-node=1`); each task is a torchrun agent, `python -m torch.distributed.run`, that starts `gpus_per_node` ranks; the agents meet through a c10d rendezvous on
 the first node of the allocation (from `scontrol show hostnames`), with the job id as
 rendezvous id. The rendezvous port comes from the job id too (unless `port` is given): two jobs
 whose first node is the same machine would otherwise share one port, and the second job's agents,
@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,13 +39,16 @@ def _q(word):
 def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesson",
                   time="01:00:00", partition=None, account=None, cpus_per_task=None,
                   port=None, output="%x-%j.out", env=None, setup=(), max_restarts=0,
-                  python="python", cpu=False, nproc_per_node=None):
+                  python=None, cpu=False, nproc_per_node=None):
     """The text of an sbatch script that runs `script` with torchrun on `nodes` nodes,
     `gpus_per_node` ranks each. `env`: extra variables to export (NCCL_SOCKET_IFNAME=...);
     `setup`: shell lines run first on the batch host (module load, conda activate...).
     cpu=True: no GPUs asked for; `nproc_per_node` CPU ranks (default 2) on each node.
     port=None: a port derived from the job id (20000 + id % 20000), so jobs sharing a first
-    node do not share a rendezvous store."""
+    node do not share a rendezvous store.
+    python: the interpreter that runs torchrun on every node, as `python -m torch.distributed.run`
+    (torchrun's own module), so the job needs no torchrun on PATH; default sys.executable, this
+    kernel's interpreter: right where the nodes share its path (a shared home or environment)."""
     values = {"job_name": job_name, "partition": partition, "account": account, "time": time,
               "output": output}
     for key, value in values.items():
@@ -91,7 +95,8 @@ def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesso
               'echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes, rendezvous at $head_node:$head_port"',
               "",
               "# since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: ask again",
-              "srun --cpus-per-task=$SLURM_CPUS_PER_TASK torchrun \\",
+              "# torchrun is the module torch.distributed.run of this interpreter: no PATH needed",
+              f"srun --cpus-per-task=$SLURM_CPUS_PER_TASK {_q(python or sys.executable)} -m torch.distributed.run \\",
               "    --nnodes $SLURM_NNODES \\",
               f"    --nproc-per-node {per_node} \\",
               "    --rdzv-backend c10d \\",

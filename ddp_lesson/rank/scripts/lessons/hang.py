@@ -13,12 +13,18 @@ parse_args and run are apart from main so that another script can run this one a
 in the same ranks (ddp_lesson/rank/chain.py's --then; notebook 07 does, to save a launch).
 """
 import argparse
+import faulthandler
 import os
+import signal
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+# `kill -USR2 <pid>` makes this process print every thread's Python stack to stderr, even while it
+# waits inside a collective's C++ code; it goes on running (py-spy dump --pid <pid> shows the same)
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # (the course's guard uses SIGUSR1)
 
 
 def parse_args(argv=None):

@@ -2,7 +2,9 @@
 count. Every rank trains SmallCNN on the built-in `shapes` data with a fixed per-rank batch;
 rank 0 logs one row: epoch_s, step_s (median step of a real DDP epoch), compute_s and
 compute_max_s (steps under `no_sync`: no all-reduce), allreduce_s (one all_reduce as large
-as all gradients). With --extras the same processes also run the all-reduce sweep
+as all gradients), and the CPU seconds of the same steps (compute_cpu_s, step_cpu_s) with
+cpu_share = compute CPU / compute wall time: below 1 when the rank waited for a core.
+With --extras the same processes also run the all-reduce sweep
 (ddp_lesson.costmodel) and the DDP knobs (ddp_lesson.knobs), which saves launches.
 """
 import argparse
@@ -57,21 +59,34 @@ def main():
 
     for x, y in batches[:3]:  # warm-up (first-iteration bucket rebuild, allocator)
         step(x, y)
-    # compute only: the same step with the gradient all-reduce switched off
-    def timed(fn, n):
-        times = []
+
+    def timed(fn, n, together=False):
+        """Wall and CPU seconds of each of n calls. CPU time (this process, all its threads)
+        counts only while the rank runs on a core: a crowded machine stretches the wall time
+        far more than the CPU time. together: every rank starts each call at the same moment."""
+        wall, cpu = [], []
         for i in range(n):
+            if together:
+                dist.barrier()
             sync()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn(i)
             sync()
-            times.append(time.perf_counter() - t)
-        return times
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+        return wall, cpu
 
-    sync(); dist.barrier()
+    # one real epoch, every step timed: the sum is the epoch, the median is robust to the
+    # bursts of other people's work on a shared machine
+    sampler.set_epoch(1)
+    dist.barrier()
+    times, step_cpu = timed(lambda i: step(*batches[i]), len(batches))
+    epoch_s, step_s = sum(times), statistics.median(times)
+    # compute only: the same step with the gradient all-reduce switched off, timed after the
+    # epoch (warm, like its steps) and started together on every rank, as a DDP step is
     with model.no_sync():
-        ctimes = timed(lambda i: step(*batches[i % len(batches)]), a.compute_steps)
-    compute_s = statistics.median(ctimes)
+        ctimes, ccpu = timed(lambda i: step(*batches[i % len(batches)]), a.compute_steps, together=True)
+    compute_s, compute_cpu_s = statistics.median(ctimes), statistics.median(ccpu)
     # in a synchronised step everyone waits for the slowest rank: per step, the max over ranks
     every = [torch.zeros(len(ctimes), dtype=torch.float64, device=device) for _ in range(world)]
     dist.all_gather(every, torch.tensor(ctimes, dtype=torch.float64, device=device))
@@ -81,20 +96,18 @@ def main():
     flat = torch.zeros(nbytes // 4, device=device)
     dist.all_reduce(flat)
     dist.barrier()
-    allreduce_s = statistics.median(timed(lambda i: dist.all_reduce(flat), 10))
-    # one real epoch, every step timed: the sum is the epoch, the median is robust to the
-    # bursts of other people's work on a shared machine
-    sampler.set_epoch(1)
-    dist.barrier()
-    times = timed(lambda i: step(*batches[i]), len(batches))
-    epoch_s, step_s = sum(times), statistics.median(times)
-    # the slowest rank sets the pace of all
-    m = torch.tensor([epoch_s, step_s, compute_s, allreduce_s], dtype=torch.float64, device=device)
+    allreduce_s = statistics.median(timed(lambda i: dist.all_reduce(flat), 10, together=True)[0])
+    # the slowest rank sets the pace of all; the CPU share: the least any rank got of a core
+    m = torch.tensor([epoch_s, step_s, compute_s, allreduce_s, compute_cpu_s, statistics.median(step_cpu)],
+                     dtype=torch.float64, device=device)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    epoch_s, step_s, compute_s, allreduce_s = m.tolist()
+    share = torch.tensor([compute_cpu_s / compute_s], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)
+    epoch_s, step_s, compute_s, allreduce_s, compute_cpu_s, step_cpu_s = m.tolist()
     if rank == 0:
         metrics.log(0, world_size=world, epoch_s=epoch_s, steps=len(batches), step_s=step_s,
                     compute_s=compute_s, compute_max_s=compute_max_s, allreduce_s=allreduce_s, grad_bytes=nbytes,
+                    compute_cpu_s=compute_cpu_s, step_cpu_s=step_cpu_s, cpu_share=share.item(),
                     samples_per_s=len(batches) * a.batch_size * world / epoch_s,
                     backend=dist.get_backend(), device=str(device))
     if a.extras:  # the all-reduce sweep and the DDP knobs in the same processes (saves launches)
