@@ -195,7 +195,16 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
     for x, y in batches:
         before, before_bw, before_bl = COUNT.calls, COUNT.in_backward, COUNT.blocking_in_backward
         COUNT.numels, COUNT.launches, COUNT.grads_ready, first = [], [], 0, len(ready)
-        train_step(ours_model, opt_ours, x, y, ours)
+        error = ""
+        try:                               # the learner's code: a bug becomes a checker message
+            train_step(ours_model, opt_ours, x, y, ours)
+        except Exception as e:             # noqa: BLE001 (any error of theirs, named below)
+            error = f"{type(e).__name__}: {e}"
+        failed = torch.tensor([float(bool(error))])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)   # every rank stops at the same step
+        if failed.item():
+            steps.append({"error": error or "another rank's Bucketed raised an error", "allclose": False})
+            break
         numels, launches = sorted(COUNT.numels), list(COUNT.launches)
         calls, in_backward = COUNT.calls - before, COUNT.in_backward - before_bw
         ddp_before, hook_state.buckets = hook_state.calls, []
