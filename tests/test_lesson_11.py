@@ -183,15 +183,26 @@ def test_attention_check_catches_a_broken_mask(monkeypatch):
     x = torch.randint(0, 256, (4, 32))
     leak, past = capstone.check_attention(model, x, 16)                     # causal, and it reads back
     assert leak == 0 and past > 0.05
-    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.eye(T, dtype=torch.bool, device=device))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def plant(mask):                       # the model's attention with another mask than is_causal's
+        monkeypatch.setattr(gpt.F, "scaled_dot_product_attention",
+                            lambda q, k, v, is_causal=False: sdpa(q, k, v, attn_mask=mask(q.shape[-2])))
+    plant(lambda T: torch.eye(T, dtype=torch.bool))
     with pytest.raises(AssertionError, match="2 or more positions back"):  # each position sees only itself
         capstone.check_attention(model, x, 16)
-    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device))
+    plant(lambda T: torch.ones(T, T, dtype=torch.bool))
     with pytest.raises(AssertionError, match="sees later bytes"):          # no mask at all
         capstone.check_attention(model, x, 16)
-    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device).tril(1))
+    plant(lambda T: torch.ones(T, T, dtype=torch.bool).tril(1))
     with pytest.raises(AssertionError, match="sees later bytes"):          # off by one: sees the next byte
         capstone.check_attention(model, x, 16)
+
+
+def test_is_causal_equals_the_explicit_mask_and_a_wrong_mask_fails():
+    assert capstone.check_is_causal(gpt.causal_mask) == 0.0               # the expert measured 0.0 too
+    with pytest.raises(AssertionError, match="differ by"):                 # off by one: sees the next byte
+        capstone.check_is_causal(lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device).tril(1))
 
 
 def test_checkpointing_check_fails_when_nothing_is_recomputed(monkeypatch):

@@ -38,6 +38,18 @@ def check_attention(model, x, cut, min_past=0.05):
     return leak, past
 
 
+def check_is_causal(causal_mask, T=64, heads=4, d_head=48, seed=0):
+    """SDPA with is_causal=True gives what an explicit causal mask gives: the same output,
+    without a (T, T) mask tensor, which on GPUs rules out the flash kernel. Returns the max diff."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, heads, T, d_head, generator=g) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    diff = (sdpa(q, k, v, is_causal=True) - sdpa(q, k, v, attn_mask=causal_mask(T, q.device))).abs().max().item()
+    assert diff < 1e-6, (f"is_causal=True and the mask causal_mask({T}) differ by {diff:.2e}: the mask is not "
+                         f"'each position sees itself and the bytes before it'")
+    return diff
+
+
 def saved_bytes(model, x, y):
     """Bytes of the activations autograd keeps for the backward of one forward and loss on x, y:
     every tensor saved for the backward, each storage once, the parameters left out."""

@@ -108,7 +108,8 @@ class Windows(Dataset):
 
 # -- the model: a decoder-only transformer (pre-LayerNorm, tied embeddings) -----------------
 def causal_mask(T, device):
-    """True where position i may look at position j: j <= i, itself and the bytes before it."""
+    """True where position i may look at position j: j <= i, itself and the bytes before it.
+    What is_causal=True means; the model does not build it (capstone.check_is_causal compares)."""
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
@@ -123,9 +124,9 @@ class Block(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        # softmax(q kᵀ / sqrt(d_head)) v where the mask is True: PyTorch's fused attention, which
-        # does not keep the (B, heads, T, T) scores for the backward where a fused kernel runs
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, x.device))
+        # softmax(q kᵀ / sqrt(d_head)) v over the bytes up to each position: PyTorch's fused
+        # attention. is_causal=True, not an attn_mask: on GPUs only then can it pick the flash kernel
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
         return x + self.mlp(self.ln2(x))
 
