@@ -7,7 +7,8 @@ width 192, block 64, biases, vocab 256, no dropout, 1,024 tokens a step (16 wind
 over the ranks, micro-batches of --micro windows). nanoGPT reads a data directory: this script
 writes the capstone's own bytes (the Python standard library's source, gpt_ddp.stdlib_bytes) as
 uint16 train.bin / val.bin and a meta.pkl (vocab 256) into a temporary directory and points
-nanoGPT's --dataset at it. Nothing of nanoGPT is copied here: its train.py runs from its checkout.
+nanoGPT's --dataset at it. Nothing of nanoGPT is copied here: its train.py runs from its checkout,
+with the two lines that make its DDP ranks GPU ranks replaced in memory (CPU_RANKS).
 
 Each program's time per step is measured the way nanoGPT measures its own: the wall clock from
 one step's end to the next's on rank 0, everything in between included (the capstone's metric
@@ -50,6 +51,25 @@ def torchrun(nproc):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
+# nanoGPT's train.py takes a DDP run for a GPU run: three lines, replaced in memory when a rank
+# runs it (its checkout is left as it is), make its ranks CPU ranks, as the capstone's are.
+CPU_RANKS = [("    device = f'cuda:{ddp_local_rank}'\n    torch.cuda.set_device(device)\n", "    device = 'cpu'\n"),
+             ("model = DDP(model, device_ids=[ddp_local_rank])", "model = DDP(model)")]
+
+
+def nanogpt_rank(checkout, args):
+    """One rank of nanoGPT's train.py (torchrun starts this file with --nanogpt-rank)."""
+    path = Path(checkout) / "train.py"
+    src = path.read_text()
+    for old, new in CPU_RANKS:
+        if src.count(old) != 1:
+            raise SystemExit(f"{path}: expected one {old.strip()!r} to make its ranks CPU ranks; another version?")
+        src = src.replace(old, new)
+    sys.path.insert(0, str(checkout))         # its model.py; configurator.py is read from the cwd
+    sys.argv = [str(path), *args]
+    exec(compile(src, str(path), "exec"), {"__name__": "__main__", "__file__": str(path)})
+
+
 def run_nanogpt(checkout, data, out, a):
     """ms per step of nanoGPT's train.py (its own 'time ... ms' lines), after warm-up."""
     args = [f"--dataset={data}", f"--out_dir={out}", "--device=cpu", "--dtype=float32", "--compile=False",
@@ -59,8 +79,8 @@ def run_nanogpt(checkout, data, out, a):
             "--always_save_checkpoint=False", "--wandb_log=False", "--learning_rate=4e-3",
             "--warmup_iters=10", f"--lr_decay_iters={a.steps}", "--min_lr=4e-4", "--beta2=0.95",
             "--grad_clip=1.0", "--weight_decay=0.1"]
-    p = subprocess.run(torchrun(a.nproc) + ["train.py", *args], cwd=checkout, capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run(torchrun(a.nproc) + [__file__, "--nanogpt-rank", str(checkout), *args], cwd=checkout,
+                       capture_output=True, text=True, timeout=900)
     if p.returncode:
         raise SystemExit(f"nanoGPT's train.py failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     ms = [float(t) for t in re.findall(r"^iter \d+: .*time ([\d.]+)ms", p.stdout, re.M)]
@@ -83,6 +103,9 @@ def run_capstone(out, a):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--nanogpt-rank"]:
+        return nanogpt_rank(argv[1], argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("nanogpt", help="path of a nanoGPT checkout (its train.py, configurator.py, model.py)")
     p.add_argument("--rounds", type=int, default=3)
