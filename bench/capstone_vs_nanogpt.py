@@ -93,7 +93,7 @@ def run_capstone(out, a):
     args = ["--steps", str(a.steps), "--global-batch", "16", "--micro-batch", str(a.micro), "--block", "64",
             "--layers", "2", "--heads", "4", "--width", "192", "--amp", "off", "--lr", "4e-3",
             "--eval-every", "1000000", "--eval-windows", "2", "--sample-bytes", "0"]
-    p = subprocess.run(torchrun(a.nproc) + [str(script("gpt_ddp.py")), *args], capture_output=True, text=True,
+    p = subprocess.run(torchrun(a.nproc) + [str(a.capstone), *args], capture_output=True, text=True,
                        env=env, timeout=900)
     if p.returncode:
         raise SystemExit(f"gpt_ddp.py failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
@@ -113,7 +113,11 @@ def main(argv=None):
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each run")
     p.add_argument("--micro", type=int, default=8, choices=(1, 2, 4, 8), help="windows per micro-batch")
     p.add_argument("--nproc", type=int, default=2, choices=(1, 2, 4, 8))
+    p.add_argument("--capstone", default=str(script("gpt_ddp.py")),
+                   help="the capstone script to run (default: this checkout's gpt_ddp.py)")
     a = p.parse_args(argv)
+    if not Path(a.capstone).exists():
+        raise SystemExit(f"--capstone {a.capstone}: no such file")
     checkout = Path(a.nanogpt).resolve()
     if not (checkout / "train.py").exists() or not (checkout / "configurator.py").exists():
         raise SystemExit(f"{checkout} is not a nanoGPT checkout: no train.py and configurator.py there")
