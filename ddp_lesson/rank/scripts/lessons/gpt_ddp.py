@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing, block by block")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the GPT before DDP (inductor: on CPU it needs a C++ compiler); compare tokens/s")
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="auto: fp16 + GradScaler on GPUs; bf16 on CPUs where it is faster than fp32")
@@ -475,6 +477,9 @@ def main():
         opt.load_state_dict(ckpt["opt"])
         scaler.load_state_dict(ckpt["scaler"])
         step = ckpt["step"]
+    gpt = model                                   # the GPT itself: what checkpoints save and sampling runs
+    if args.compile:                              # compile first, then DDP (lesson 10)
+        model = torch.compile(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     # DDP: registers a comm hook that averages gradients like DDP's default (divide by the
     # world size, all-reduce) and times it: data / compute / waiting in the all-reduce
@@ -548,7 +553,7 @@ def main():
             if step in save_at:
                 path = metrics.run_dir() / f"ckpt_{step}.pt"
                 if rank == 0:  # DDP: one writer; the inner model, without the "module." prefix
-                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                    torch.save({"model": gpt.state_dict(), "opt": opt.state_dict(),
                                 "scaler": scaler.state_dict(), "step": step, "args": vars(args)}, path)
                 dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
             if step >= stop:
@@ -566,7 +571,7 @@ def main():
         with autocast():
             # DDP: the model inside the wrapper: one rank alone must not run DDP's forward,
             # which can start a collective (a broadcast of buffers) the other ranks never join
-            sample = generate(model.module, b"def ", args.sample_bytes, device, seed=args.seed)
+            sample = generate(gpt, b"def ", args.sample_bytes, device, seed=args.seed)
         print("--- sample ---\n" + sample, flush=True)
         metrics.log(step, sample=sample)
     dist.destroy_process_group()  # DDP
