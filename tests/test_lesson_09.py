@@ -38,7 +38,8 @@ def cases(tmp_path_factory):
     files = {"solution": good, "starter": script("bucketed_exercise.py"), "one": one,
              "blocking": exercises.bucketed_solution(base / "bucketed_blocking.py", blocking=True),
              "waiting": exercises.bucketed_solution(base / "bucketed_waiting.py", waiting=True),
-             "late": exercises.bucketed_solution(base / "bucketed_late.py", late=True)}
+             "late": exercises.bucketed_solution(base / "bucketed_late.py", late=True),
+             "keep_ready": exercises.bucketed_solution(base / "bucketed_keep_ready.py", keep_ready=True)}
     run = launch.start(CASES, nproc=WORLD, cpu=True, run_dir=base / "cases", timeout=600,
                        args=["--steps", STEPS, "--bucket-kb", 8,
                              *[a for name, path in files.items() for a in ("--bucketed", f"{name}={path}")]])
@@ -102,6 +103,13 @@ def test_exercise_checker_rejects_buckets_held_back_to_the_last_gradient(cases):
     # last gradient: stage (b)'s timing. Each bucket must go out when its own last gradient is ready.
     ok, why = exercises.check_bucketed(cases["bucketed"]["late"])
     assert not ok and "gradients were ready" in why, why
+
+
+def test_exercise_checker_names_a_ready_count_never_reset(cases):
+    # finish() forgets self.ready: step 2's hooks never see a full bucket, and finish() calls
+    # wait() on None. The checker must say so in a sentence, not hand back a rank's traceback.
+    ok, why = exercises.check_bucketed(cases["bucketed"]["keep_ready"])
+    assert not ok and why.startswith("step 2: your Bucketed raised AttributeError") and "reset self.ready" in why, why
 
 
 def test_bucket_layout_is_reverse_registration_closed_at_the_cap():
@@ -252,3 +260,21 @@ def test_held_out_check_rejects_a_wrong_model(bug, caught_on):
     missed = alpha_beta.check_held_out(alpha_beta.held_out_ratios(rows, held, predict=wrong))
     assert any(m.startswith(caught_on) for m in missed), (bug, missed)
 
+
+
+def test_band_is_3_on_free_cores_and_20_when_oversubscribed():
+    assert alpha_beta.band(2, 2, 2.1)[0] == 3           # the ranks' own load
+    factor, reason = alpha_beta.band(4, 2, 4.0)
+    assert factor == 20 and "4 ranks share 2 cores" in reason, reason
+    factor, reason = alpha_beta.band(2, 2, 9.0)
+    assert factor == 20 and "other programs" in reason, reason
+
+
+@pytest.mark.parametrize("bug, caught_on", [("no alpha", "one 4 B all-reduce"),
+                                            ("alpha once per step", "64 all-reduces of 4 B")])
+def test_wide_band_still_rejects_the_gross_models(bug, caught_on):
+    wrong = {"no alpha": lambda sizes, a, b: sum(s / b for s in sizes),
+             "alpha once per step": lambda sizes, a, b: a + sum(s / b for s in sizes)}[bug]
+    rows, held = synthetic()
+    missed = alpha_beta.check_held_out(alpha_beta.held_out_ratios(rows, held, predict=wrong), factor=20)
+    assert any(m.startswith(caught_on) for m in missed), (bug, missed)

@@ -91,6 +91,30 @@ def test_fsdp2_shards_parameters_and_matches_ddp(launched):
     assert v["fsdp_max_weight_diff_vs_ddp"] < 1e-5
 
 
+def test_unsharded_peak_check_fails_for_root_only_wrapping(launched):
+    v = finished(launched["run"], "shard.json")
+    shard10 = load_script(script("beyond_shard.py"))
+    shard10.check_unsharded_peak(v)                         # the notebook's cell 10-17, at 3 ranks
+    peak = v["unsharded_peak"]
+    assert peak["per layer"] < peak["root only"] == 4 * v["params"]
+    # Planted: the model wrapped at the root only (what "per layer" measures then is the root's peak)
+    with pytest.raises(AssertionError, match="is every Linear its own fully_shard unit"):
+        shard10.check_unsharded_peak({**v, "unsharded_peak": {**peak, "per layer": peak["root only"]}})
+    # Planted: reshard_after_forward=False reported as resharding
+    with pytest.raises(AssertionError, match="reshard_after_forward=False held"):
+        shard10.check_unsharded_peak({**v, "unsharded_peak": {**peak, "per layer, kept": peak["per layer"]}})
+
+
+def test_fp16_compress_hook_divides_in_fp16_and_small_gradients_underflow():
+    # The hook's own line (installed torch): cast, then divide by N, before the all-reduce.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    assert "buffer.to(dtype).div_(world_size)" in Path(default_hooks.__file__).read_text()
+    grads = torch.tensor([1e-3, 1e-5, 3e-7, 1e-7, 3e-8])
+    assert ((grads.to(torch.float16).div_(8)) == 0).sum() >= 2          # the notebook's cell 10-10u
+    assert (grads.to(torch.bfloat16).div_(8) != 0).all()                # bf16 keeps fp32's range
+    assert (grads.div(8).to(torch.float16) == 0).sum() >= 1             # either order: fp16's range is the cause
+
+
 def test_dcp_checkpoint_saved_at_3_loads_at_1(launched, tmp_path):
     saved = finished(launched["run"], "dcp_save.json")
     assert saved["world_size"] == WORLD
@@ -115,6 +139,23 @@ def test_dcp_checkpoint_saved_at_3_loads_at_1(launched, tmp_path):
     assert loaded["adam_steps_restored"] and all(s == STEPS for s in loaded["adam_steps_restored"])
     assert loaded["adam_moments_restored"] and loaded["max_moment_diff_vs_saved"] == 0.0
     assert loaded["min_moment_abs_max"] > 0
+
+
+def test_dcp_check_fails_when_the_load_skips_set_optimizer_state_dict(launched, tmp_path):
+    # Planted: dcp.load still fills Adam's moments and step counts in place, so only the
+    # param_groups tell: the fresh Adam's defaults (lr 1e-3) stay instead of the save's 1e-2.
+    saved = finished(launched["run"], "dcp_save.json")
+    text = Path(script("beyond_dcp.py")).read_text()
+    line = '        set_optimizer_state_dict(model, opt, state["optim"])\n'
+    assert text.count(line) == 1
+    planted = tmp_path / "beyond_dcp.py"
+    planted.write_text(text.replace(line, ""))
+    run = launch.start(planted, cpu=True, nproc=1, args=["--load", str(launched["ckpt"])],
+                       run_dir=tmp_path / "load", timeout=300)
+    loaded = finished(run, "dcp_load.json")
+    assert loaded["max_moment_diff_vs_saved"] == 0.0       # the moments came back without it
+    with pytest.raises(AssertionError, match="set_optimizer_state_dict restores lr"):
+        load_script(script("beyond_dcp.py")).check(saved, loaded)
 
 
 def test_ddp_holds_a_bucket_copy_unless_gradients_are_bucket_views(launched):

@@ -90,6 +90,11 @@ def test_cpu_peak_is_cores_times_clock_times_the_widest_units():
     assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "amx_bf16"), 1000)[0] == 1e9 * 1024
     assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "avx512_bf16"), 1000)[0] == 1e9 * 128
     assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma"), 1000)[0] == 1e9 * 32       # bf16 on the fp32 units
+    zen4 = ("AuthenticAMD", 25)                   # Zen 4: AVX-512 on 256-bit units, half the rate
+    assert gpt.cpu_peak(torch.float32, 1, flags("fma", "avx512f"), 1000, zen4)[0] == 1e9 * 32
+    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "avx512_bf16"), 1000, zen4)[0] == 1e9 * 64
+    assert gpt.cpu_peak(torch.float32, 1, flags("fma", "avx512f"), 1000, ("AuthenticAMD", 26))[0] == 1e9 * 64  # Zen 5
+    assert gpt.cpu_peak(torch.float32, 1, flags("fma"), 1000, zen4)[0] == 1e9 * 32   # AVX2 only: as before
     peak, source, inputs = gpt.peak_rate(torch.device("cpu"), torch.float32)      # this machine, every input shown
     assert peak == inputs["cores"] * inputs["mhz"] * 1e6 * inputs["flop_per_cycle"] > 0, (source, inputs)
     assert str(inputs["flop_per_cycle"]) in source and inputs["clock_from"] in source
@@ -116,11 +121,15 @@ def test_a_wrong_peak_is_caught_by_a_matmul_faster_than_it():
     finally:
         torch.set_num_threads(threads)
     flags, mhz, clock_from = gpt.read_cpu()
-    real = gpt.cpu_peak(torch.float32, 1, flags, mhz)[0]
-    capstone.check_peak(real, rates, clock_from)
+    real = gpt.cpu_peak(torch.float32, 1, flags, mhz, gpt.read_cpu_id())[0]
+    ratio = capstone.check_peak(real, rates, clock_from)
+    if gpt.read_cpu_id() == ("AuthenticAMD", 25) and "avx512f" in flags:   # this course's Zen 4
+        assert 0.6 < ratio, f"one thread reached {ratio:.2f} of Zen 4's 32 FLOP/cycle peak"
     if any(f in flags for f in ("fma", "avx512f")):
         with pytest.raises(AssertionError, match="the peak is wrong"):
             capstone.check_peak(gpt.cpu_peak(torch.float32, 1, ["sse"], mhz)[0], rates, clock_from)
+        with pytest.raises(AssertionError, match="the peak is wrong"):       # planted: peak / 4
+            capstone.check_peak(real / 4, rates, clock_from)
 
 
 def rows_of(world, step_s, gap, windows, fpt=1000.0, peak=1e9, steps=4, cpu_s=None, micro_cpu_s=None):
@@ -183,15 +192,35 @@ def test_attention_check_catches_a_broken_mask(monkeypatch):
     x = torch.randint(0, 256, (4, 32))
     leak, past = capstone.check_attention(model, x, 16)                     # causal, and it reads back
     assert leak == 0 and past > 0.05
-    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.eye(T, dtype=torch.bool, device=device))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def plant(mask):                       # the model's attention with another mask than is_causal's
+        monkeypatch.setattr(gpt.F, "scaled_dot_product_attention",
+                            lambda q, k, v, is_causal=False: sdpa(q, k, v, attn_mask=mask(q.shape[-2])))
+    plant(lambda T: torch.eye(T, dtype=torch.bool))
     with pytest.raises(AssertionError, match="2 or more positions back"):  # each position sees only itself
         capstone.check_attention(model, x, 16)
-    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device))
+    plant(lambda T: torch.ones(T, T, dtype=torch.bool))
     with pytest.raises(AssertionError, match="sees later bytes"):          # no mask at all
         capstone.check_attention(model, x, 16)
-    monkeypatch.setattr(gpt, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device).tril(1))
+    plant(lambda T: torch.ones(T, T, dtype=torch.bool).tril(1))
     with pytest.raises(AssertionError, match="sees later bytes"):          # off by one: sees the next byte
         capstone.check_attention(model, x, 16)
+
+
+def test_weight_decay_groups_are_nanogpts():
+    model = gpt.GPT(2, 4, 64, 32)
+    decayed = capstone.check_decay_groups(model, gpt.make_optimizer(model, 1e-3))
+    assert decayed == sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    planted = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)   # the old one group
+    with pytest.raises(AssertionError, match="not biases or LayerNorm gains"):
+        capstone.check_decay_groups(model, planted)
+
+
+def test_is_causal_equals_the_explicit_mask_and_a_wrong_mask_fails():
+    assert capstone.check_is_causal(gpt.causal_mask) == 0.0               # the expert measured 0.0 too
+    with pytest.raises(AssertionError, match="differ by"):                 # off by one: sees the next byte
+        capstone.check_is_causal(lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device).tril(1))
 
 
 def test_checkpointing_check_fails_when_nothing_is_recomputed(monkeypatch):
@@ -352,8 +381,8 @@ def test_rows_carry_tokens_per_s_and_mfu(trio):
     peak = head[0]["peak_flops"]
     assert head[0]["cores"] == min(1, len(os.sched_getaffinity(0)) / 3)   # one thread, a third of 2 cores at most
     capstone.check_throughput(rows, 3, G, BLOCK, counted, peak)
-    rates = [x for r in rec.rows if "achievable_flops" in r for x in r["achievable_flops"]]
-    assert len(rates) == 3 * 5 and capstone.check_peak(peak, rates)
+    rates = [x for r in rec.rows if "achievable_flops_per_cpu_s" in r for x in r["achievable_flops_per_cpu_s"]]
+    assert len(rates) == 3 * 5 and capstone.check_peak(peak, rates, cores=head[0]["cores"])
     assert all(0 < r["cpu_s"] and 0 < r["micro_cpu_s"] <= r["cpu_s"] for r in rows)
     assert exercises.check_global_batch(rec.path)                   # 12 windows per step, summed
 

@@ -471,12 +471,13 @@ _WHEN_ALL = ("        if sum(self.ready) == len(self.where):    # held back: the
              "                %s")
 
 
-def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=False):
+def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=False, keep_ready=False):
     """09: write a solution of the bucketed-hook exercise to `path`: the starter file with
     `hook` and `finish` written. Wrong ones, which check_bucketed must reject: blocking=True
     (the hook's all-reduce is async_op=False), waiting=True (async_op=True, then .wait() in
     the hook): either way backward stalls on the network; late=True (async, but every
-    bucket held back until the whole model's last gradient: stage (b)'s timing, no overlap)."""
+    bucket held back until the whole model's last gradient: stage (b)'s timing, no overlap);
+    keep_ready=True (finish() never resets self.ready: step 2 launches nothing)."""
     text = Path(starter or script("bucketed_exercise.py")).read_text()
     head = text[:text.index("    def hook(self, p):")]
     launch, wait = "self.works[i] = dist.all_reduce(self.flat[i], async_op=True)", "self.works[i].wait()"
@@ -485,6 +486,8 @@ def bucketed_solution(path, starter=None, blocking=False, waiting=False, late=Fa
     if waiting:
         launch, wait = "dist.all_reduce(self.flat[i], async_op=True).wait()", "pass"
     body = _BUCKETED_HOOK % ((_WHEN_ALL if late else _WHEN_FULL) % launch, wait)
+    if keep_ready:
+        body = body.replace("        self.ready = [0] * len(self.buckets)\n", "")
     Path(path).write_text(head + body)
     return path
 
@@ -516,6 +519,10 @@ def check_bucketed(stage):
     expected = sorted(elements)
     n = len(expected)
     for i, st in enumerate(stage["steps"], 1):
+        if st.get("error"):
+            hint = (" Step 1 passed, so something step 1 left behind broke step 2: reset self.ready"
+                    " and self.works at the end of finish()" if i > 1 else "")
+            return False, f"step {i}: your Bucketed raised {st['error']}.{hint}"
         if not st["allclose"]:
             return False, f"step {i}: weights differ from torch DDP by {st['max_abs_diff']:.2e}"
         if st["calls"] != n:

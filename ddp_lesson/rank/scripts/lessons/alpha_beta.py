@@ -59,6 +59,22 @@ def held_out_ratios(rows, held, predict=predict_seconds):
     return {name: seconds / predict(sizes, alpha, beta) for name, (sizes, seconds) in held.items()}
 
 
+def band(world, cores, load):
+    """(factor, reason): how far measured / predicted may stray. 3 while the ranks have the
+    cores to themselves. With more ranks than cores, or other programs keeping half the cores
+    busy (the load average less the ranks' own share), a ring's every hop can wait a scheduler
+    time slice, milliseconds, for a rank the OS has put aside, whatever the bytes: 20 then.
+    20 still fails a line without alpha (thousands of times off) and alpha paid once for 64
+    all-reduces (about 60 times); it lets a bytes formula off by 4 through."""
+    others = max(0.0, load - world)
+    if world > cores:
+        return 20.0, f"{world} ranks share {cores} cores, so they wait for each other's time slices"
+    if others > cores / 2:
+        return 20.0, (f"load average {load:.1f} on {cores} cores, about {others:.1f} of it from other "
+                      f"programs, so the ranks wait for time slices")
+    return 3.0, f"{world} rank(s) on {cores} cores, load average {load:.1f}: the ranks have the cores"
+
+
 def check_held_out(ratios, factor=3.0):
     """The workloads the model misses by more than `factor`, either way ([] if none)."""
     return [f"{name}: measured / predicted = {r:.2f}" for name, r in ratios.items()

@@ -58,6 +58,11 @@ def full_moments(model, opt):
             for name, p in model.named_parameters() for m in ("exp_avg", "exp_avg_sq")}
 
 
+def hyperparameters(opt):
+    """lr and betas of every param_group: what set_optimizer_state_dict restores, not dcp.load."""
+    return [{"lr": g["lr"], "betas": list(g["betas"])} for g in opt.param_groups]
+
+
 def run(args, device):
     """Save or load, in a process group already started; rank 0 writes dcp_save.json / dcp_load.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -65,7 +70,7 @@ def run(args, device):
 
     if args.save:
         model = sharded_model(mesh, seed=0)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.8, 0.95))   # not Adam's defaults
         x, y = data.shapes(16 * world * args.steps, seed=19).tensors
         for s in range(args.steps):
             i = (s * world + rank) * 16
@@ -83,13 +88,14 @@ def run(args, device):
             torch.save(moments, os.path.join(args.save, "reference_moments.pt"))
             out = {"world_size": world, "steps": args.steps, "files": sorted(os.listdir(args.save)),
                    "floats_total": sum(v.numel() for v in reference.values()),
+                   "hyperparameters": hyperparameters(opt),
                    "floats_on_rank0": sum(v.numel() for v in mine.values()),
                    "full_shapes": {k: list(v.shape) for k, v in reference.items()},
                    "local_shapes": {k: list(v.shape) for k, v in mine.items()}}
             metrics.save_json("dcp_save.json", out)
     else:
         model = sharded_model(mesh, seed=1)               # different weights: the load must replace them
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        opt = torch.optim.Adam(model.parameters())        # Adam's defaults: the load must bring the save's
         before = full_state(model)
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(state, checkpoint_id=args.load)          # fills this rank's shards, re-cut for N
@@ -105,6 +111,7 @@ def run(args, device):
                    "max_diff_vs_saved": max((after[k] - reference[k]).abs().max().item() for k in reference),
                    "max_diff_before_load": max((before[k] - reference[k]).abs().max().item() for k in reference),
                    "adam_steps_restored": steps,
+                   "hyperparameters": hyperparameters(opt),
                    "adam_moments_restored": sorted(moments) == sorted(saved_moments),
                    "max_moment_diff_vs_saved": max((moments[k] - saved_moments[k]).abs().max().item()
                                                    for k in saved_moments),
@@ -128,6 +135,9 @@ def check(saved, loaded):
     assert all(s == saved["steps"] for s in loaded["adam_steps_restored"])  # step counts the save reached,
     assert loaded["adam_moments_restored"] and loaded["max_moment_diff_vs_saved"] == 0.0   # Adam's moments,
     assert loaded["min_moment_abs_max"] > 0                                 # which were not all zero
+    assert loaded["hyperparameters"] == saved["hyperparameters"], (         # and the param_groups:
+        f"param_groups came back as {loaded['hyperparameters']}, saved {saved['hyperparameters']}: "
+        f"dcp.load fills the moments in place, set_optimizer_state_dict restores lr and betas")
     if n_save > 1:                                                         # rank-0 torch.save would lose the rest
         assert saved["floats_on_rank0"] < saved["floats_total"]
 

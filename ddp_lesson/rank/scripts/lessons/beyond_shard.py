@@ -120,6 +120,40 @@ def gather(value):
     return out
 
 
+def unsharded_peak(model, x, y):
+    """Peak bytes of whole (unsharded) weights alive at once during one forward and backward.
+    FSDP2 swaps a module's parameter from its shard (a DTensor) to the gathered plain tensor
+    while the module runs, and back when it reshards; a hook at every layer's forward and
+    backward adds up the plain ones at that moment."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    peak = [0]
+
+    def note(*_):
+        whole = sum(p.numel() * p.element_size() for m in layers for p in m.parameters(recurse=False)
+                    if not isinstance(p, DTensor))
+        peak[0] = max(peak[0], whole)
+    hooks = [h for m in layers for h in (m.register_forward_pre_hook(note), m.register_forward_hook(note),
+                                          m.register_full_backward_hook(note))]
+    F.cross_entropy(model(x), y).backward()
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    return peak[0]
+
+
+def wrapped(base, mesh, how):
+    """FSDP2 three ways: "per layer" (every Linear its own unit, the default reshard),
+    "per layer, kept" (reshard_after_forward=False: whole from forward until backward, like
+    ZeRO-2), "root only" (one unit: the whole model gathered at once)."""
+    model = copy.deepcopy(base)
+    if how != "root only":
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=(how == "per layer"))
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def run(args, device):
     """This section's runs, in a process group already started; rank 0 writes shard.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -181,11 +215,28 @@ def run(args, device):
     w_fsdp = full_weights(fsdp)
     out["fsdp_max_weight_diff_vs_ddp"] = (w_fsdp - w_ddp).abs().max().item()
     out["fsdp_max_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(out["losses"]["fsdp"], out["losses"]["ddp"]))
+    out["unsharded_peak"] = {how: unsharded_peak(wrapped(base, mesh, how), *batches[0])
+                             for how in ("per layer", "per layer, kept", "root only")}
+    out["layer_bytes"] = [sum(p.numel() * 4 for p in m.parameters()) for m in base if isinstance(m, nn.Linear)]
     out["held_per_rank"] = {k: gather(sum(v.values())) for k, v in out["held"].items()}
     if not use_cuda:                     # nccl's bytes do not go through this process's sockets
         out["sent_per_step"] = {k: gather(v[0]) for k, v in sent.items() if v}
     if rank == 0:
         metrics.save_json("shard.json", out)
+
+
+def check_unsharded_peak(sh):
+    """The notebook's check of what per-layer wrapping buys: the peak of whole weights at once."""
+    peak, full = sh["unsharded_peak"], 4 * sh["params"]
+    two = sum(sorted(sh["layer_bytes"])[-2:])        # the layer running and, at most, one prefetched
+    assert peak["per layer"] <= two < full, (
+        f"per-layer wrapping held {peak['per layer']:,} bytes of whole weights at once, more than the two "
+        f"largest layers ({two:,}) of the model's {full:,}: is every Linear its own fully_shard unit?")
+    assert peak["root only"] == full, (
+        f"root-only wrapping held {peak['root only']:,} bytes at its peak, expected the whole model ({full:,})")
+    assert peak["per layer, kept"] == full, (
+        f"reshard_after_forward=False held {peak['per layer, kept']:,} bytes at its peak, expected every "
+        f"layer kept whole from forward to backward ({full:,})")
 
 
 if __name__ == "__main__":

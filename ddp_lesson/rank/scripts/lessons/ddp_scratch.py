@@ -195,9 +195,19 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
     for x, y in batches:
         before, before_bw, before_bl = COUNT.calls, COUNT.in_backward, COUNT.blocking_in_backward
         COUNT.numels, COUNT.launches, COUNT.grads_ready, first = [], [], 0, len(ready)
-        train_step(ours_model, opt_ours, x, y, ours)
+        error = ""
+        try:                               # the learner's code: a bug becomes a checker message
+            train_step(ours_model, opt_ours, x, y, ours)
+        except Exception as e:             # noqa: BLE001 (any error of theirs, named below)
+            error = f"{type(e).__name__}: {e}"
         numels, launches = sorted(COUNT.numels), list(COUNT.launches)
         calls, in_backward = COUNT.calls - before, COUNT.in_backward - before_bw
+        blocking = COUNT.blocking_in_backward - before_bl
+        failed = torch.tensor([float(bool(error))])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)   # every rank stops at the same step (not counted:
+        if failed.item():                               # the counts above are taken)
+            steps.append({"error": error or "another rank's Bucketed raised an error", "allclose": False})
+            break
         ddp_before, hook_state.buckets = hook_state.calls, []
         train_step(ddp, opt_ddp, x, y)
         diff = (flat_weights(ours_model) - flat_weights(ddp.module)).abs().max().item()
@@ -205,7 +215,7 @@ def check_stage(stage, base, batches, bucket_bytes, impl):
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # a mismatch on any rank fails the step
         steps.append({"allclose": bool(ok.item()), "max_abs_diff": diff,
                       "calls": calls, "calls_in_backward": in_backward,
-                      "blocking_in_backward": COUNT.blocking_in_backward - before_bl, "numels": numels,
+                      "blocking_in_backward": blocking, "numels": numels,
                       "launches": launches, "ready_order": ready[first:],
                       "ddp_calls": hook_state.calls - ddp_before, "ddp_buckets": hook_state.buckets})
     buckets = ([sorted(ours_index[id(p)] for p in b) for b in ours.buckets]

@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing, block by block")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the GPT before DDP (inductor: on CPU it needs a C++ compiler); compare tokens/s")
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="auto: fp16 + GradScaler on GPUs; bf16 on CPUs where it is faster than fp32")
@@ -108,7 +110,8 @@ class Windows(Dataset):
 
 # -- the model: a decoder-only transformer (pre-LayerNorm, tied embeddings) -----------------
 def causal_mask(T, device):
-    """True where position i may look at position j: j <= i, itself and the bytes before it."""
+    """True where position i may look at position j: j <= i, itself and the bytes before it.
+    What is_causal=True means; the model does not build it (capstone.check_is_causal compares)."""
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
@@ -123,9 +126,9 @@ class Block(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        # softmax(q kᵀ / sqrt(d_head)) v where the mask is True: PyTorch's fused attention, which
-        # does not keep the (B, heads, T, T) scores for the backward where a fused kernel runs
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, x.device))
+        # softmax(q kᵀ / sqrt(d_head)) v over the bytes up to each position: PyTorch's fused
+        # attention. is_causal=True, not an attn_mask: on GPUs only then can it pick the flash kernel
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
         return x + self.mlp(self.ln2(x))
 
@@ -189,9 +192,10 @@ def datasheet_peak(name, dtype=torch.float16):
 
 # FLOP per cycle per core of the widest multiply-add units the CPU flags name, fp32 unless said:
 # AVX-512 (avx512f): 2 FMA units x 16 fp32 lanes x 2 (a multiply and an add), as on Xeon Gold 6xxx,
-# Platinum and Zen 5. AMD Zen 4 EPYC and Xeon Bronze, Silver and most Gold 5xxx also flag avx512f
-# but do 32: there this peak is 2x too high, and no check here can tell. AVX2 with FMA: 2 x 8 x 2;
-# else SSE: a 4-lane multiply
+# Platinum and Zen 5. AMD Zen 4 (AuthenticAMD, cpu family 25, avx512f: Zen 3 has no AVX-512, Zen 5
+# is family 26) runs 512-bit FMAs on 256-bit units: half, 32 (bf16: 64); cpu_peak halves it.
+# Xeon Bronze, Silver and most Gold 5xxx also flag avx512f but do 32: there this peak is 2x too
+# high, and no flag tells. AVX2 with FMA: 2 x 8 x 2; else SSE: a 4-lane multiply
 # and a 4-lane add per cycle. bf16: AMX (amx_bf16) 1024, as Intel states for its tile unit;
 # AVX512_BF16's dot product 2 x 16 x 2 x 2; else bf16 runs on the fp32 units.
 FLOP_PER_CYCLE = [("amx_bf16", "bf16", 1024), ("avx512_bf16", "bf16", 128),
@@ -212,11 +216,21 @@ def read_cpu():
     return (flags, float(mhz.group(1)), "/proc/cpuinfo cpu MHz") if mhz else None
 
 
-def cpu_peak(dtype, cores, flags, mhz):
-    """(FLOP/s, inputs): cores x clock x FLOP/cycle of the widest multiply-add unit for dtype."""
+def read_cpu_id():
+    """(vendor_id, cpu family) from /proc/cpuinfo, or (None, None)."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    vendor, family = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.M), re.search(r"^cpu family\s*:\s*(\d+)", info, re.M)
+    return (vendor.group(1) if vendor else None), (int(family.group(1)) if family else None)
+
+
+def cpu_peak(dtype, cores, flags, mhz, cpu_id=(None, None)):
+    """(FLOP/s, inputs): cores x clock x FLOP/cycle of the widest multiply-add unit for dtype;
+    halved for AVX-512 on Zen 4 (cpu_id: vendor and family, as read_cpu_id gives them)."""
     kind = "bf16" if dtype == torch.bfloat16 else "fp32"
     unit, per_cycle = next((f, n) for f, k, n in FLOP_PER_CYCLE
                            if (f in flags or f == "sse") and (k == kind or k == "fp32"))
+    if tuple(cpu_id) == ("AuthenticAMD", 25) and unit.startswith("avx512"):
+        unit, per_cycle = f"{unit} on Zen 4's 256-bit units", per_cycle // 2
     return cores * mhz * 1e6 * per_cycle, {"cores": cores, "mhz": mhz, "unit": unit, "flop_per_cycle": per_cycle}
 
 
@@ -236,7 +250,7 @@ def peak_rate(device, dtype):
     if not read_cpu():
         return None, "no CPU peak: no x86 flags and clock in /proc/cpuinfo", {}
     flags, mhz, clock_from = read_cpu()
-    peak, inputs = cpu_peak(dtype, cores, flags, mhz)
+    peak, inputs = cpu_peak(dtype, cores, flags, mhz, read_cpu_id())
     return peak, (f"CPU peak: {cores:g} core(s) x {mhz:.0f} MHz ({clock_from}) x {inputs['flop_per_cycle']} "
                   f"FLOP/cycle ({inputs['unit']})"), dict(inputs, clock_from=clock_from)
 
@@ -244,20 +258,23 @@ def peak_rate(device, dtype):
 def achievable_rate(device, dtype, window_s, windows=5):
     """FLOP/s of back-to-back n x n matmuls, over `windows` windows of window_s seconds each (a
     step's length): what this rank reaches on one large, clean matrix product, with its threads,
-    under the load of the moment. An achieved rate, not a peak: its spread shows the load."""
+    under the load of the moment. An achieved rate, not a peak: its spread shows the load.
+    Returns (per wall-clock second, per CPU-second of this process): the second is what one
+    core reached, whatever the load, which check_peak compares with the peak per core."""
     n = 4096 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
-    rates = []
+    rates, cpu_rates = [], []
     for _ in range(windows):
-        count, start = 0, time.perf_counter()
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - start < window_s:
             a @ b
             if a.is_cuda:
                 torch.cuda.synchronize(device)
             count += 1
         rates.append(2 * n ** 3 * count / (time.perf_counter() - start))
-    return sorted(rates)
+        cpu_rates.append(2 * n ** 3 * count / max(time.process_time() - cpu, 1e-9))
+    return sorted(rates), sorted(cpu_rates)
 
 
 def matmul_s(a, b, tries=5, budget_s=1.0):
@@ -275,9 +292,15 @@ def matmul_s(a, b, tries=5, budget_s=1.0):
     return best
 
 
-def make_optimizer(model, lr):
-    """AdamW with nanoGPT's betas and weight decay."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+def make_optimizer(model, lr, fused=False):
+    """AdamW as nanoGPT's configure_optimizers sets it up: betas (0.9, 0.95), weight decay 0.1
+    on the matrices (parameters of 2 or more dims: the Linear weights and the embeddings) and
+    none on the biases and LayerNorm gains. fused=True: one kernel for all parameters (CPU and
+    CUDA in this torch; the run passes it for plain tensors, FSDP2's shards keep the default)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
 
 
 def lr_at(step, args):
@@ -446,7 +469,7 @@ def main():
     torch.manual_seed(args.seed)   # the same init everywhere (DDP(...) would broadcast rank 0's anyway)
     model = GPT(args.layers, args.heads, args.width, args.block, checkpoint=args.checkpoint).to(device)
     fpt = flops_per_token(model, args.layers, args.width, args.block)
-    opt = make_optimizer(model, args.lr)
+    opt = make_optimizer(model, args.lr, fused=True)   # one kernel: on CPU ranks about 2 ms less per step
     step = 0
     if args.resume:  # weights, optimizer and scaler state, and the step: nothing depends on world size
         ckpt = torch.load(args.resume, map_location=device, weights_only=True)  # DDP: onto this rank's device
@@ -454,6 +477,9 @@ def main():
         opt.load_state_dict(ckpt["opt"])
         scaler.load_state_dict(ckpt["scaler"])
         step = ckpt["step"]
+    gpt = model                                   # the GPT itself: what checkpoints save and sampling runs
+    if args.compile:                              # compile first, then DDP (lesson 10)
+        model = torch.compile(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     # DDP: registers a comm hook that averages gradients like DDP's default (divide by the
     # world size, all-reduce) and times it: data / compute / waiting in the all-reduce
@@ -527,15 +553,15 @@ def main():
             if step in save_at:
                 path = metrics.run_dir() / f"ckpt_{step}.pt"
                 if rank == 0:  # DDP: one writer; the inner model, without the "module." prefix
-                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                    torch.save({"model": gpt.state_dict(), "opt": opt.state_dict(),
                                 "scaler": scaler.state_dict(), "step": step, "args": vars(args)}, path)
                 dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
             if step >= stop:
                 break
 
     if step_times:  # a matmul's rate over windows as long as a median step, all ranks at once as in training
-        rates = achievable_rate(device, dtype, min(1.0, sorted(step_times)[len(step_times) // 2]))
-        metrics.log(step, achievable_flops=rates)
+        rates, cpu_rates = achievable_rate(device, dtype, min(1.0, sorted(step_times)[len(step_times) // 2]))
+        metrics.log(step, achievable_flops=rates, achievable_flops_per_cpu_s=cpu_rates)
     if args.fsdp_check:  # FSDP2 against DDP, in the same ranks, from the same seed
         fsdp_check(args, train_set, accum, device, rank)
     if args.allreduce_sweep:  # the same ranks, after training: what one all-reduce of b bytes costs
@@ -545,7 +571,7 @@ def main():
         with autocast():
             # DDP: the model inside the wrapper: one rank alone must not run DDP's forward,
             # which can start a collective (a broadcast of buffers) the other ranks never join
-            sample = generate(model.module, b"def ", args.sample_bytes, device, seed=args.seed)
+            sample = generate(gpt, b"def ", args.sample_bytes, device, seed=args.seed)
         print("--- sample ---\n" + sample, flush=True)
         metrics.log(step, sample=sample)
     dist.destroy_process_group()  # DDP
