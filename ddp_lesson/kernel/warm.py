@@ -1,8 +1,10 @@
-"""The launcher's side of warm launches: one warm process per launcher (ddp_lesson.rank.warm_server),
-started ahead of need, checked before every launch, asked for each run's torchrun agent.
+"""The launcher's side of warm launches: one warm process per local rank (ddp_lesson.rank.warm_server,
+each its own interpreter), started ahead of need, checked before every launch; the first is
+asked for each run's torchrun agent, which asks warm process R for rank R (rank.warm_ranks).
 
-    server = warm.Server(env)        # from a long-lived thread: the process dies with that thread's process
-    server.ready(timeout)            # True once it has imported torch and said hello
+    server = warm.Server(env)        # from a long-lived thread: the processes die with that thread's process
+    server.ready(timeout)            # True once they have imported torch and said hello
+    server.retire()                  # replaced: its running runs finish, then it exits
     server.why_not(env)              # None, or the sentence saying why this launch must be cold
     agent = server.spawn(args, env, cwd, log)   # agent.pid, agent.wait(timeout), agent.poll()
 
@@ -12,7 +14,6 @@ that torch or Python read at start-up, which a forked process cannot read again.
 """
 import json
 import os
-import select
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import time
 
 from ..rank import procs
 from ..rank.procs import FOR_ENV
+from ..rank.warm_ranks import PATHS_ENV, Child as Agent, Lost, Unavailable, request
 from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
 
 # read when Python or torch start (TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported,
@@ -37,14 +39,6 @@ READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10
 
 
-class Unavailable(Exception):
-    """No warm agent for this launch (the sentence says why); the launcher goes cold."""
-
-
-class Lost(Exception):
-    """The warm process died while one of its agents ran, so the agent's exit status is lost."""
-
-
 def start_vars(env):
     return {k: v for k, v in env.items()
             if (k in START_ENV or k.startswith(START_PREFIXES)) and not k.startswith(READ_LATER)}
@@ -54,8 +48,9 @@ class Server:
     """The warm process of this launcher. Construct it in a thread that lives as long as the
     launcher: the process is tied to that thread (PR_SET_PDEATHSIG)."""
 
-    def __init__(self, env):
+    def __init__(self, env, ranks=2):
         self.env = dict(env)
+        self.peers = []   # the warm processes of local ranks 1, 2, ... (this one serves rank 0)
         self.dir = tempfile.mkdtemp(prefix="ddp-lesson-warm-")   # mode 0700: this user's only
         self.path = os.path.join(self.dir, "sock")
         self.hello = None
@@ -73,6 +68,12 @@ class Server:
                 env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                 start_new_session=True, cwd=os.getcwd())
         threading.Thread(target=self._read_hello, name="ddp-lesson-warm-hello", daemon=True).start()
+        self.grow(ranks)
+
+    def grow(self, ranks):
+        """Have a warm process for each of `ranks` local ranks (from the thread that made this)."""
+        while 1 + len(self.peers) < ranks:
+            self.peers.append(Server(self.env, ranks=0))
 
     def _read_hello(self):
         try:
@@ -89,12 +90,14 @@ class Server:
         return self.proc.pid
 
     def ready(self, timeout=None):
-        """Wait up to `timeout` seconds for the hello; True if the process is up and usable."""
-        self.started.wait(timeout)
-        return self.hello is not None and self.proc.poll() is None
+        """Wait up to `timeout` seconds for the hellos; True if the processes are up and usable."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for s in (self, *self.peers):
+            s.started.wait(None if end is None else max(0.0, end - time.monotonic()))
+        return all(s.hello is not None and s.proc.poll() is None for s in (self, *self.peers))
 
     def alive(self):
-        return self.proc.poll() is None
+        return self.proc.poll() is None and all(p.alive() for p in self.peers)
 
     def log_tail(self, chars=2000):
         try:
@@ -105,6 +108,10 @@ class Server:
 
     def why_not(self, env):
         """None if a launch with `env` can be warm now, else the reason in one sentence."""
+        for p in self.peers:
+            why = p.why_not(env)
+            if why is not None:
+                return why
         if not self.started.is_set():
             return "the warm process is still starting"
         if self.hello is None or not self.alive():
@@ -123,26 +130,40 @@ class Server:
         return None
 
     def spawn(self, args, env, cwd, log):
-        """Ask for an agent running `python -m ddp_lesson.rank.guard --agent ... ARGS`; returns an
-        Agent once it exists, or raises Unavailable."""
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(REPLY_TIMEOUT_S)
-            s.connect(self.path)
-            s.sendall((json.dumps({"args": list(args), "env": dict(env), "cwd": str(cwd),
-                                   "log": str(log)}) + "\n").encode())
-            agent = Agent(s)
-            reply = agent.next_message(REPLY_TIMEOUT_S)
-        except (OSError, ValueError) as e:
-            s.close()
-            raise Unavailable(f"the warm process did not answer ({e})") from None
-        if reply is None or "pid" not in reply:
-            s.close()
-            raise Unavailable((reply or {}).get("error", "the warm process closed the connection"))
-        agent.pid = reply["pid"]
-        return agent
+        """Ask for an agent running `python -m ddp_lesson.rank.guard --agent ... ARGS` whose
+        local rank R is forked by warm process R; returns an Agent once it exists, or raises
+        Unavailable."""
+        env = {**env, PATHS_ENV: os.pathsep.join(s.path for s in (self, *self.peers))}
+        return request(self.path, {"args": list(args), "env": env, "cwd": str(cwd), "log": str(log)})
+
+    def retire(self, wait=2.0):
+        """Replaced by a newer one: the runs these processes serve finish, then they exit
+        (waits up to `wait` s for that when none runs)."""
+        for s in (self, *self.peers):
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                    conn.settimeout(REPLY_TIMEOUT_S)
+                    conn.connect(s.path)
+                    conn.sendall(b'{"drain": true}\n')
+                    conn.recv(100)
+            except OSError:
+                pass   # not answering: it is gone, or was never up
+        end = time.monotonic() + wait
+        for s in (self, *self.peers):
+            try:
+                s.proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        threading.Thread(target=self._reap_retired, name="ddp-lesson-warm-retired", daemon=True).start()
+
+    def _reap_retired(self):
+        for s in (self, *self.peers):
+            s.proc.wait()
+            shutil.rmtree(s.dir, ignore_errors=True)
 
     def stop(self):
+        for p in self.peers:
+            p.stop()
         if self.proc.poll() is None:
             self.proc.kill()
         try:
@@ -150,51 +171,3 @@ class Server:
         except subprocess.TimeoutExpired:
             pass
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class Agent:
-    """A run's agent, forked by the warm process; like a Popen: pid, wait(timeout), poll()."""
-
-    def __init__(self, sock):
-        self.pid = None
-        self.returncode = None
-        self._sock = sock
-        self._buf = b""
-        self._lost = False
-
-    def next_message(self, timeout):
-        """The next message from the warm process, None at end of stream, or TimeoutError."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            if not select.select([self._sock], [], [], left)[0]:
-                raise TimeoutError("no message from the warm process")
-            chunk = self._sock.recv(65536)
-            if not chunk:
-                return None
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def wait(self, timeout=None):
-        if self.returncode is not None:
-            return self.returncode
-        if self._lost:
-            raise Lost("the warm process that started this run died during it")
-        try:
-            msg = self.next_message(timeout)
-        except TimeoutError:
-            raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout) from None
-        if msg is None or "exit" not in msg:
-            self._lost = True
-            self._sock.close()
-            raise Lost("the warm process that started this run died during it")
-        self.returncode = msg["exit"]
-        self._sock.close()
-        return self.returncode
-
-    def poll(self):
-        try:
-            return self.wait(0)
-        except subprocess.TimeoutExpired:
-            return None
