@@ -130,6 +130,8 @@ def _in_spawner(fn):
 
 
 COLD_ENV = "DDP_LESSON_COLD"   # "1": every launch is cold, as a CLI torchrun
+WARM_NOTE = ("This launch was warm: its ranks were forked from processes that had imported torch. "
+             "`--cold` (cold=True) starts each one as a new interpreter, as torchrun does.")
 WARM_WAIT_S = 60               # how long a launch waits for a warm process that is starting
 _warm = None
 _warm_lock = threading.Lock()
@@ -230,6 +232,10 @@ def run(spec, run_dir=None):
     if "PYTHONPATH" in user_env:
         user_env["PYTHONPATH"] = python_path(user_env["PYTHONPATH"])
     server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, spec.cold, nodes.count, plan.nproc)
+    if server is not None:
+        why_cold = warm.script_sets_start_vars(script, {**base_env(), **plan.env, **user_env})
+        if why_cold:
+            server = None
     path = _prepare_run_dir(run_dir, script)
     shutil.copyfile(script, rundir.script(path))
     for name, data in spec.private_files:
@@ -247,7 +253,9 @@ def run(spec, run_dir=None):
     # the warm agent: the same torchrun and ranks; the warm process adds --agent --parent
     warm_args = ["--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
     child_env = base_env()
-    child_env.update(plan.env)
+    # the plan's OMP_NUM_THREADS (cores per rank) unless the launcher's environment sets one:
+    # torchrun keeps what its caller set, and so does this
+    child_env.update({k: v for k, v in plan.env.items() if not (k == "OMP_NUM_THREADS" and k in os.environ)})
     child_env.update({
         rundir.ENV: str(path),
         rundir.TOKEN_ENV: token,  # with the run dir, what identifies this run's processes
@@ -447,6 +455,8 @@ class Run:
                                                        self.config, where)
         elif status == "interrupted":
             result["message"] = "The run was stopped; every process of it has ended."
+        if status in ("failed", "timeout") and self.config.get("launch", {}).get("mode") == "warm":
+            result["message"] = result.get("message", "") + "\n" + WARM_NOTE
         self.result = result
         write_json(rundir.result(self.run_dir), result)
 

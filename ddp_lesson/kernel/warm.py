@@ -12,8 +12,10 @@ A launch goes cold (a new interpreter for the agent and every rank, as a CLI tor
 the warm process is not up, is stale, or the launch's environment differs in a variable
 that torch or Python read at start-up, which a forked process cannot read again.
 """
+import ast
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from ..rank import procs
 from ..rank.procs import FOR_ENV
@@ -32,16 +35,75 @@ from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
 # what the launch asked for. Any TORCH*/PYTORCH_ variable counts, but for the few read later,
 # when a process group or a rendezvous is made. OMP_NUM_THREADS is applied again in each rank.
 START_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
-             "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "LD_PRELOAD", "LD_LIBRARY_PATH",
-             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LOGLEVEL")   # LOGLEVEL: torch.distributed.elastic's logger
-START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_")
+             "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE", "PYTHONFAULTHANDLER",
+             "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONMALLOC", "PYTHONINSPECT",
+             "PYTHONVERBOSE", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONSTARTUP",
+             "LD_PRELOAD", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+             "LOGLEVEL")   # LOGLEVEL: torch.distributed.elastic's logger
+# OMP_* (libgomp reads them when it loads), but OMP_NUM_THREADS, which each rank applies again
+START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_", "OMP_", "MALLOC_", "CUDA_MODULE_")
+NOT_AT_START = ("OMP_NUM_THREADS",)
 READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10
 
 
 def start_vars(env):
     return {k: v for k, v in env.items()
-            if (k in START_ENV or k.startswith(START_PREFIXES)) and not k.startswith(READ_LATER)}
+            if (k in START_ENV or k.startswith(START_PREFIXES)) and not k.startswith(READ_LATER)
+            and k not in NOT_AT_START}
+
+
+# what a warm process starts with where the launcher sets nothing: threads waiting for work
+# sleep (libgomp reads it when torch loads it). With one thread per CPU rank it changes nothing;
+# a script that sets it (gpt_ddp.py, as tutorials do) gets what it asked for, warm too
+WARM_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _env_sets(script):
+    """[(NAME, value or None)] the script sets in os.environ, literally (None: not a literal)."""
+    try:
+        tree = ast.parse(Path(script).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    out = []
+
+    def const(node):
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    def is_environ(node):
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Subscript) and is_environ(t.value) and const(t.slice):
+                    out.append((const(t.slice), const(node.value)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "setdefault" and is_environ(f.value) and node.args and const(node.args[0]):
+                out.append((const(node.args[0]), const(node.args[1]) if len(node.args) > 1 else None))
+            elif f.attr == "putenv" and node.args and const(node.args[0]):
+                out.append((const(node.args[0]), None))
+            elif f.attr == "update" and is_environ(f.value):
+                for arg in node.args:
+                    if isinstance(arg, ast.Dict):
+                        out += [(const(k), None) for k in arg.keys if k is not None and const(k)]
+                out += [(k.arg, None) for k in node.keywords if k.arg]
+    return out
+
+
+def script_sets_start_vars(script, env):
+    """None, or why a warm launch of `script` with `env` would differ: the script sets a
+    variable torch or Python read when they start (tutorials set TORCH_DISTRIBUTED_DEBUG and
+    OMP_NUM_THREADS before `import torch`), to a value a warm process did not start with."""
+    started = {**WARM_DEFAULTS, **env}
+    for name, value in _env_sets(script):
+        if not (start_vars({name: ""}) or name in NOT_AT_START):
+            continue
+        if value is None or started.get(name) != value:
+            return (f"the script sets {name}, which torch or Python read when they start, "
+                    f"so its ranks start as new interpreters")
+    return None
 
 
 class Server:
@@ -59,6 +121,8 @@ class Server:
         server_env = dict(env)
         server_env[FOR_ENV] = f"{me} {procs.create_time(me)}"
         server_env[PAD_ENV] = "x" * PAD_BYTES
+        for k, v in WARM_DEFAULTS.items():
+            server_env.setdefault(k, v)
         # an idle OpenBLAS pool is a thread; ranks on a CPU get OMP_NUM_THREADS=1 anyway
         server_env.setdefault("OPENBLAS_NUM_THREADS", "1")
         server_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"   # asking for GPUs must not initialize CUDA

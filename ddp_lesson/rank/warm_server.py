@@ -20,6 +20,7 @@ import json
 import os
 import selectors
 import signal
+import site
 import socket
 import sys
 import threading
@@ -40,8 +41,8 @@ OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py
 
 
 def fingerprint(here=None):
-    """What the warm process was built from: this interpreter, torch's installed files and
-    this package's modules it holds (in `here`, this package's folder by default). A launcher
+    """What the warm process was built from: this interpreter, torch's installed files, the
+    installed packages' folders and this package's modules it holds (in `here`, this package's folder by default). A launcher
     compares it with the running process's before every launch, so an upgrade or an edit is
     never served by a stale one."""
     here = Path(here or Path(__file__).resolve().parents[1])
@@ -49,6 +50,9 @@ def fingerprint(here=None):
     files = [here / name for name in OWN_FILES]
     if torch_spec and torch_spec.origin:
         files.append(Path(torch_spec.origin).parent / "version.py")
+    # site-packages folders change when a package is installed, upgraded or removed, or a
+    # .pth (an editable install) is added: a warm process holds what was there at its start
+    files += [Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]]
     h = hashlib.sha256(sys.executable.encode())
     for f in files:
         try:
