@@ -208,3 +208,65 @@ def test_the_fingerprint_follows_the_installed_packages(tmp_path, monkeypatch):
     (site_packages / "__editable__.mylib.pth").write_text("/somewhere\n")   # a new `pip install -e`
     os.utime(site_packages, ns=(1, 1))   # whatever the clock's resolution
     assert warm_server.fingerprint() != before
+
+
+# Every private torch or CPython API the warm machinery relies on (rank/warm_server.py,
+# rank/warm_ranks.py, rank/guard.py's forked-rank and exit code): an upgrade that moves one
+# fails here, in one place. (name, check) where check raises or returns False if it moved.
+def _private_apis():
+    import atexit
+    import inspect
+    import torch
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+    start_src = inspect.getsource(api.SubprocessContext._start)
+    return [
+        # warm_ranks.install: SubprocessContext makes each rank's handler through this module
+        # global, and the handler starts the rank in _popen(args, env) with these attributes
+        ("api.get_subprocess_handler, called by SubprocessContext._start",
+         lambda: callable(api.get_subprocess_handler) and "get_subprocess_handler(" in start_src),
+        ("SubprocessHandler._popen(self, args, env)",
+         lambda: list(inspect.signature(SubprocessHandler._popen).parameters) == ["self", "args", "env"]),
+        ("SubprocessHandler.__init__ keywords",
+         lambda: list(inspect.signature(SubprocessHandler.__init__).parameters) == [
+             "self", "entrypoint", "args", "env", "stdout", "stderr", "local_rank_id", "numa_options"]),
+        ("SubprocessHandler._stdout/_stderr/local_rank_id set before _popen",
+         lambda: inspect.getsource(SubprocessHandler.__init__).index("self._stdout")
+         < inspect.getsource(SubprocessHandler.__init__).index("self._popen(")),
+        ("SubprocessHandler.close signals the rank's process group (a warm rank calls setsid)",
+         lambda: "os.killpg(self.proc.pid" in inspect.getsource(SubprocessHandler.close)),
+        ("SubprocessContext uses only proc.poll/pid/wait of a handle",
+         lambda: all(w in inspect.getsource(api.SubprocessContext)
+                     for w in ("proc.poll()", "proc.pid", "proc.wait("))),
+        # warm_server: may a fork use CUDA, can NVML count GPUs
+        ("torch.cuda._is_in_bad_fork", lambda: callable(torch.cuda._is_in_bad_fork)),
+        ("torch.cuda._raw_device_count_nvml", lambda: callable(torch.cuda._raw_device_count_nvml)),
+        # guard._exit_rank: atexit handlers run before os._exit
+        ("atexit._run_exitfuncs", lambda: callable(atexit._run_exitfuncs)),
+        # guard.environ_space / _start_ticks: proc(5) fields 22 and 50-51 of /proc/self/stat
+        ("/proc/self/stat has env_start/env_end (fields 50, 51)",
+         lambda: len(open("/proc/self/stat").read().rsplit(")", 1)[1].split()) >= 51 - 2),
+    ]
+
+
+def test_every_private_api_the_warm_machinery_uses_is_where_it_was():
+    moved = []
+    for name, check in _private_apis():
+        try:
+            ok = check()
+        except Exception as e:   # an attribute or a source gone
+            ok, name = False, f"{name} ({type(e).__name__}: {e})"
+        if not ok:
+            moved.append(name)
+    assert not moved, "moved in this torch/CPython: " + "; ".join(moved)
+    # and the list is whole: these files name no other private torch attribute
+    import re
+    from conftest import REPO
+    used = set()
+    for f in ("rank/warm_server.py", "rank/warm_ranks.py", "rank/guard.py", "kernel/warm.py"):
+        text = (REPO / "ddp_lesson" / f).read_text()
+        used |= set(re.findall(r"\btorch(?:\.\w+)*\.(_[a-z]\w*)\(", text))
+        used |= set(re.findall(r"\batexit\.(_\w+)", text))
+        used |= set(re.findall(r"def (_popen)\(", text))
+    listed = " ".join(name for name, _ in _private_apis())
+    assert all(u in listed for u in used), used
