@@ -1,8 +1,9 @@
 """Warm launches (`launch.warm_up`, ddp_lesson.rank.warm_server, ddp_lesson.kernel.warm): a run's agent
-and ranks are forked from a warm process that has imported torch, and each rank is still
-what a CLI torchrun gives it.
+is forked from warm process 0 and rank R from warm process R (each has imported torch), and
+each rank is still what a CLI torchrun gives it (test_warm_fidelity.py: case by case, with
+plain torchrun as the reference).
 
-- the process tree: launcher -> warm process -> agent -> ranks, and the ranks did not import
+- the process tree: launcher -> warm process 0 -> agent, launcher -> warm process R -> rank R, and the ranks did not import
   torch themselves; the warm process holds one thread, no CUDA and no learner-editable module;
 - the same torchrun: every torchrun variable a cold rank gets, with the same values where
   they do not name a port or a run id; `__main__`, sys.argv, tracebacks on the script's own
