@@ -6,7 +6,7 @@
 4. the same with a DDP model, one step and an optimizer (`DDP(...)` and the optimizer's
    constructor import torch._dynamo as well);
 5. the course's launcher, cold (what 4 does, under the guards) and warm (agent and ranks
-   forked from a warm process that has imported torch): the DDP step of 4, and the
+   forked from warm processes, one per local rank, that have imported torch): the DDP step of 4, and the
    reference training script (ddp_basic.py), 1 epoch: CPU-s per launch, Run to the first metric row, the
    whole run. Cold and warm alternate, so a burst of other load hits both alike.
 

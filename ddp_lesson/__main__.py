@@ -92,11 +92,21 @@ def report(run, out=sys.stdout, err=sys.stderr, echoed=False):
         message = res.get("message", "")
         if res.get("failure"):
             message = failures.describe(res["failure"], traceback=not echoed)
+            if run.config.get("launch", {}).get("mode") == "warm":
+                message += "\n" + launch.WARM_NOTE
         print(message, file=err)
     return EXIT[status]
 
 
+def announce(run, out=sys.stdout):
+    """The first line: what runs where, warm or cold (and why cold), and the run directory."""
+    print(f"run: {monitor.where(run.config)}, {monitor.launch_text(run.config)} launch; "
+          f"run directory {run.run_dir}", file=out, flush=True)
+
+
 def supervise(run, quiet=False):
+    if not quiet:
+        announce(run)
     if run.config.get("nnodes") == 1 and not (run.config.get("isolation") or {}).get("private_network"):
         print(f"warning: {isolation.status().line()}", file=sys.stderr, flush=True)   # the run's first line
     try:
@@ -122,8 +132,7 @@ def cmd_demo(a):
     spec = Spec(script("ddp_basic.py"), devices.Request(a.nproc, a.gpus, a.cpu),
                 args=["--epochs", str(epochs), "--batch-size", "64"], label="demo", cold=a.cold)
     run = launch.run(spec, a.run_dir)
-    print(f"demo: {monitor.where(run.config)}, {epochs} epoch(s); "
-          f"run directory {run.run_dir}", flush=True)
+    print(f"demo: {epochs} epoch(s)", flush=True)
     code = supervise(run)
     if code == 0:
         from .kernel.runs import load

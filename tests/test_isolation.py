@@ -236,3 +236,35 @@ def test_a_run_without_a_private_network_says_so_first(tmp_path, repo_env):
     assert p.stderr.splitlines()[0].startswith("warning: runs are NOT isolated"), p.stderr
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["isolation"] == {"private_network": False, "why": f"{isolation.SHARED_ENV}=1 is set"}
+
+
+NS_SCRIPT = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print("NET", os.readlink("/proc/self/ns/net"), int(t.item()), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_every_rank_of_a_run_shares_one_private_network(mode, tmp_path):
+    """A warm launch forks rank R in warm process R (one per local rank): those processes must
+    all live in the network warm process 0 made, where the agent's store is, or ranks 1..N-1
+    cannot reach it. 3 ranks, so a rank past the first peer is covered too."""
+    needs_namespaces()
+    script = tmp_path / "ns.py"
+    script.write_text(NS_SCRIPT)
+    run = launch.start(script, nproc=3, cpu=True, cold=(mode == "cold"), run_dir=tmp_path / "run")
+    result = run.wait()
+    assert result["status"] == "ok", result
+    assert run.config["launch"]["mode"] == mode, run.config["launch"]
+    nets = set()
+    for r in range(3):
+        out = (Path(run.run_dir) / "logs" / f"rank{r}.stdout.log").read_text()
+        net, total = out.split("NET ", 1)[1].split()[:2]
+        assert total == "3", out
+        nets.add(net)
+    assert len(nets) == 1, f"ranks in different networks: {nets}"
+    assert nets != {os.readlink("/proc/self/ns/net")}, "the ranks used this machine's network"

@@ -71,10 +71,13 @@ def _python():
     return [sys.executable, "-S", "-E", "-s", NETNS]
 
 
-def wrap(cmd):
+def wrap(cmd, join=None):
     """`cmd`, to be started in a private network where runs are isolated (netns.py execs it:
-    same PID, same environment); `cmd` unchanged where they are not."""
-    return _python() + list(cmd) if status().isolated else list(cmd)
+    same PID, same environment); `cmd` unchanged where they are not. join=PID: in the network
+    process PID made (netns.py --join), not a new one."""
+    if not status().isolated:
+        return list(cmd)
+    return _python() + (["--join", str(join)] if join is not None else []) + list(cmd)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ and log tails by runs (runs.MetricsTail, runs.log_tail), live views by monitor.M
 torchrun runs as `python -m torch.distributed.run` in its own session, under
 ddp_lesson.rank.guard (ends it if this process dies); each rank runs under the guard too.
 
-Launches are warm by default: a warm process (ddp_lesson.rank.warm_server, started ahead of need by
-warm_up()) that has imported torch forks the run's agent, which runs that same torchrun module
-with torchrun's own `--run-path --start-method fork`, so the ranks are forked too and nobody
+Launches are warm by default: warm processes (ddp_lesson.rank.warm_server, one per local rank,
+started ahead of need by warm_up()) that have imported torch fork the run's agent, which runs
+that same torchrun, and each rank (the agent asks warm process R for rank R), so nobody
 imports torch again. A launch is cold (a new interpreter for the agent and each rank, the CLI
 torchrun of config["command"]) with cold=True, DDP_LESSON_COLD=1, over several nodes, or when
 the warm process cannot serve it; config["launch"] says which, and why.
@@ -130,6 +130,8 @@ def _in_spawner(fn):
 
 
 COLD_ENV = "DDP_LESSON_COLD"   # "1": every launch is cold, as a CLI torchrun
+WARM_NOTE = ("This launch was warm: its ranks were forked from processes that had imported torch. "
+             "`--cold` (cold=True) starts each one as a new interpreter, as torchrun does.")
 WARM_WAIT_S = 60               # how long a launch waits for a warm process that is starting
 _warm = None
 _warm_lock = threading.Lock()
@@ -151,12 +153,12 @@ def warm_up():
             _warm = _in_spawner(lambda: warm.Server(env))   # tied to the spawner thread, which lives on
         server = _warm
     if old is not None and old is not server:
-        old.stop()
+        old.retire()   # its running runs finish first
     return server
 
 
-def _warm_server(env, cold, nnodes):
-    """(the warm process to use, None) or (None, why this launch is cold)."""
+def _warm_server(env, cold, nnodes, nproc=1):
+    """(the warm processes to use, None) or (None, why this launch is cold)."""
     if cold:
         return None, "asked for (cold=True, --cold)"
     if os.environ.get(COLD_ENV):
@@ -166,8 +168,11 @@ def _warm_server(env, cold, nnodes):
     server = warm_up()
     if server is None:
         return None, "warm launches need Linux (fork and prctl)"
-    if not interrupts.wait_for(server.started, WARM_WAIT_S):
-        return None, f"the warm process was not up within {WARM_WAIT_S} s"
+    _in_spawner(lambda: server.grow(nproc))   # one warm process per local rank
+    end = time.monotonic() + WARM_WAIT_S
+    for s in (server, *server.peers):
+        if not interrupts.wait_for(s.started, max(0.0, end - time.monotonic())):
+            return None, f"the warm processes were not up within {WARM_WAIT_S} s"
     why = server.why_not(env)
     if why is not None:
         warm_up()   # replaces a stale one for the next launch
@@ -226,7 +231,11 @@ def run(spec, run_dir=None):
     user_env = dict(spec.env)
     if "PYTHONPATH" in user_env:
         user_env["PYTHONPATH"] = python_path(user_env["PYTHONPATH"])
-    server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, spec.cold, nodes.count)
+    server, why_cold = _warm_server({**base_env(), **plan.env, **user_env}, spec.cold, nodes.count, plan.nproc)
+    if server is not None:
+        why_cold = warm.script_sets_start_vars(script, {**base_env(), **plan.env, **user_env})
+        if why_cold:
+            server = None
     path = _prepare_run_dir(run_dir, script)
     shutil.copyfile(script, rundir.script(path))
     for name, data in spec.private_files:
@@ -243,16 +252,17 @@ def run(spec, run_dir=None):
            "--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
     private = isolation.for_run(nodes.count == 1, user_env)   # a network of its own (warm: the warm process's)
     cmd = private.wrap(cmd)
-    # the warm agent: the same torchrun module, told to run the rank's entry file in forked
-    # workers (its own --run-path and --start-method fork); the warm process adds --agent --parent
-    warm_args = ["--signal", "TERM", *torchrun, "--run-path", "--start-method", "fork",
-                 str(Path(guard.__file__).with_name("forked_rank.py")), *rank]
+    # the warm agent: the same torchrun and ranks; the warm process adds --agent --parent
+    warm_args = ["--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
     child_env = base_env()
-    child_env.update(plan.env)
+    # the plan's OMP_NUM_THREADS (cores per rank) unless the launcher's environment sets one:
+    # torchrun keeps what its caller set, and so does this
+    child_env.update({k: v for k, v in plan.env.items() if not (k == "OMP_NUM_THREADS" and k in os.environ)})
     child_env.update({
         rundir.ENV: str(path),
         rundir.TOKEN_ENV: token,  # with the run dir, what identifies this run's processes
         "DDP_LESSON_SCRIPT_DIR": str(script.resolve().parent),
+        guard.SCRIPT_ENV: str(script.resolve()),   # __file__ and argv[0] name it, as under torchrun
         "DDP_LESSON_BACKEND": plan.backend,
     })
     # torchrun >= 2.5 hands its rendezvous store to the ranks and keeps it across elastic
@@ -279,7 +289,7 @@ def run(spec, run_dir=None):
     write_json(rundir.config(path), config)
     warm_spawn = None
     if server is not None:
-        warm_spawn = (server, warm_args, {**child_env, guard.FORKED_ENV: "1"})
+        warm_spawn = (server, warm_args, child_env)
     return Run(path, cmd, child_env, config, spec.timeout, warm_spawn)
 
 
@@ -352,8 +362,9 @@ class Run:
         return interrupts.wait_for(self._done, timeout)
 
     def pids(self):
-        """PIDs of the agent and its descendants alive now."""
-        return [p.pid for p in procs.tree(self._agent)]
+        """PIDs of the agent, its descendants and the ranks (warm ones are not its children) alive now."""
+        found = [p.pid for p in procs.tree(self._agent)]
+        return found + [p.pid for p in procs.ranks(self.run_dir) if p.pid not in found]
 
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout=None):
@@ -408,7 +419,7 @@ class Run:
     def _where_ranks_are(self):
         """Ask each rank (the agent's children) for its Python stack, for the timeout message."""
         try:
-            ranks = self._agent.children()
+            ranks = procs.ranks(self.run_dir)   # warm ranks are not the agent's children
         except Exception:
             return None
         procs.kill_all(ranks, signal.SIGUSR1)
@@ -448,6 +459,8 @@ class Run:
                                                        self.config, where)
         elif status == "interrupted":
             result["message"] = "The run was stopped; every process of it has ended."
+        if status in ("failed", "timeout") and self.config.get("launch", {}).get("mode") == "warm":
+            result["message"] = result.get("message", "") + "\n" + WARM_NOTE
         self.result = result
         write_json(rundir.result(self.run_dir), result)
 

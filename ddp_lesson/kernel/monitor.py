@@ -40,6 +40,15 @@ def where(config):
     return devices.describe(config.get("nproc"), spec.gpus(config), config.get("backend"))
 
 
+def launch_text(config):
+    """`warm` or `cold (why)`: how the launch started its processes (config["launch"])."""
+    launch = config.get("launch") or {}
+    if launch.get("mode") == "warm":
+        return "warm"
+    why = launch.get("why")
+    return f"cold ({why})" if why else "cold"
+
+
 def title(run):
     """`label: status, 12.3 s  (devices)`: the live plot's title."""
     res = run.result
@@ -52,7 +61,8 @@ def running_text(run, rows=()):
     """One line for a running run; `rows`: its metric rows read so far (a Monitor's rows)."""
     step = max((r.get("step", 0) for r in rows[-50:]), default=None)
     at = f", step {step}" if step is not None else ", starting"
-    return f"Running: {where(run.config)}{at}, {run.elapsed:.0f} s. Run dir: {run.run_dir}"
+    return (f"Running: {where(run.config)}, {launch_text(run.config)}{at}, {run.elapsed:.0f} s. "
+            f"Run dir: {run.run_dir}")
 
 
 def result_text(run, rows=()):

@@ -1,8 +1,10 @@
-"""The launcher's side of warm launches: one warm process per launcher (ddp_lesson.rank.warm_server),
-started ahead of need, checked before every launch, asked for each run's torchrun agent.
+"""The launcher's side of warm launches: one warm process per local rank (ddp_lesson.rank.warm_server,
+each its own interpreter), started ahead of need, checked before every launch; the first is
+asked for each run's torchrun agent, which asks warm process R for rank R (rank.warm_ranks).
 
-    server = warm.Server(env)        # from a long-lived thread: the process dies with that thread's process
-    server.ready(timeout)            # True once it has imported torch and said hello
+    server = warm.Server(env)        # from a long-lived thread: the processes die with that thread's process
+    server.ready(timeout)            # True once they have imported torch and said hello
+    server.retire()                  # replaced: its running runs finish, then it exits
     server.why_not(env)              # None, or the sentence saying why this launch must be cold
     agent = server.spawn(args, env, cwd, log)   # agent.pid, agent.wait(timeout), agent.poll()
 
@@ -10,9 +12,10 @@ A launch goes cold (a new interpreter for the agent and every rank, as a CLI tor
 the warm process is not up, is stale, or the launch's environment differs in a variable
 that torch or Python read at start-up, which a forked process cannot read again.
 """
+import ast
 import json
 import os
-import select
+import re
 import shutil
 import socket
 import subprocess
@@ -20,10 +23,12 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from . import isolation
 from ..rank import procs
 from ..rank.procs import FOR_ENV
+from ..rank.warm_ranks import PATHS_ENV, Child as Agent, Lost, Unavailable, request
 from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
 
 # read when Python or torch start (TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported,
@@ -31,32 +36,84 @@ from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
 # what the launch asked for. Any TORCH*/PYTORCH_ variable counts, but for the few read later,
 # when a process group or a rendezvous is made. OMP_NUM_THREADS is applied again in each rank.
 START_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
-             "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "LD_PRELOAD", "LD_LIBRARY_PATH",
-             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LOGLEVEL")   # LOGLEVEL: torch.distributed.elastic's logger
-START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_")
+             "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE", "PYTHONFAULTHANDLER",
+             "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONMALLOC", "PYTHONINSPECT",
+             "PYTHONVERBOSE", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONSTARTUP",
+             "LD_PRELOAD", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+             "LOGLEVEL")   # LOGLEVEL: torch.distributed.elastic's logger
+# OMP_* (libgomp reads them when it loads), but OMP_NUM_THREADS, which each rank applies again
+START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_", "OMP_", "MALLOC_", "CUDA_MODULE_")
+NOT_AT_START = ("OMP_NUM_THREADS",)
 READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10
 
 
-class Unavailable(Exception):
-    """No warm agent for this launch (the sentence says why); the launcher goes cold."""
-
-
-class Lost(Exception):
-    """The warm process died while one of its agents ran, so the agent's exit status is lost."""
-
-
 def start_vars(env):
     return {k: v for k, v in env.items()
-            if (k in START_ENV or k.startswith(START_PREFIXES)) and not k.startswith(READ_LATER)}
+            if (k in START_ENV or k.startswith(START_PREFIXES)) and not k.startswith(READ_LATER)
+            and k not in NOT_AT_START}
+
+
+# what a warm process starts with where the launcher sets nothing: threads waiting for work
+# sleep (libgomp reads it when torch loads it). With one thread per CPU rank it changes nothing;
+# a script that sets it (gpt_ddp.py, as tutorials do) gets what it asked for, warm too
+WARM_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _env_sets(script):
+    """[(NAME, value or None)] the script sets in os.environ, literally (None: not a literal)."""
+    try:
+        tree = ast.parse(Path(script).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    out = []
+
+    def const(node):
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    def is_environ(node):
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Subscript) and is_environ(t.value) and const(t.slice):
+                    out.append((const(t.slice), const(node.value)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "setdefault" and is_environ(f.value) and node.args and const(node.args[0]):
+                out.append((const(node.args[0]), const(node.args[1]) if len(node.args) > 1 else None))
+            elif f.attr == "putenv" and node.args and const(node.args[0]):
+                out.append((const(node.args[0]), None))
+            elif f.attr == "update" and is_environ(f.value):
+                for arg in node.args:
+                    if isinstance(arg, ast.Dict):
+                        out += [(const(k), None) for k in arg.keys if k is not None and const(k)]
+                out += [(k.arg, None) for k in node.keywords if k.arg]
+    return out
+
+
+def script_sets_start_vars(script, env):
+    """None, or why a warm launch of `script` with `env` would differ: the script sets a
+    variable torch or Python read when they start (tutorials set TORCH_DISTRIBUTED_DEBUG and
+    OMP_NUM_THREADS before `import torch`), to a value a warm process did not start with."""
+    started = {**WARM_DEFAULTS, **env}
+    for name, value in _env_sets(script):
+        if not (start_vars({name: ""}) or name in NOT_AT_START):
+            continue
+        if value is None or started.get(name) != value:
+            return (f"the script sets {name}, which torch or Python read when they start, "
+                    f"so its ranks start as new interpreters")
+    return None
 
 
 class Server:
     """The warm process of this launcher. Construct it in a thread that lives as long as the
     launcher: the process is tied to that thread (PR_SET_PDEATHSIG)."""
 
-    def __init__(self, env):
+    def __init__(self, env, ranks=2, join=None):
         self.env = dict(env)
+        self.peers = []   # the warm processes of local ranks 1, 2, ... (this one serves rank 0)
         self.dir = tempfile.mkdtemp(prefix="ddp-lesson-warm-")   # mode 0700: this user's only
         self.path = os.path.join(self.dir, "sock")
         self.hello = None
@@ -65,15 +122,24 @@ class Server:
         server_env = dict(env)
         server_env[FOR_ENV] = f"{me} {procs.create_time(me)}"
         server_env[PAD_ENV] = "x" * PAD_BYTES
+        for k, v in WARM_DEFAULTS.items():
+            server_env.setdefault(k, v)
         # an idle OpenBLAS pool is a thread; ranks on a CPU get OMP_NUM_THREADS=1 anyway
         server_env.setdefault("OPENBLAS_NUM_THREADS", "1")
         server_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"   # asking for GPUs must not initialize CUDA
         with open(os.path.join(self.dir, "server.log"), "wb") as log:
-            self.proc = subprocess.Popen(   # in a private network: so are the runs it forks (isolation.py)
-                isolation.wrap([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent", str(me), self.path]),
+            self.proc = subprocess.Popen(   # in a private network: so are the runs it forks (isolation.py);
+                isolation.wrap([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent", str(me), self.path],
+                               join=join),   # a peer joins warm process 0's, where the agent's store is
                 env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                 start_new_session=True, cwd=os.getcwd())
         threading.Thread(target=self._read_hello, name="ddp-lesson-warm-hello", daemon=True).start()
+        self.grow(ranks)
+
+    def grow(self, ranks):
+        """Have a warm process for each of `ranks` local ranks (from the thread that made this)."""
+        while 1 + len(self.peers) < ranks:
+            self.peers.append(Server(self.env, ranks=0, join=self.proc.pid))
 
     def _read_hello(self):
         try:
@@ -90,12 +156,14 @@ class Server:
         return self.proc.pid
 
     def ready(self, timeout=None):
-        """Wait up to `timeout` seconds for the hello; True if the process is up and usable."""
-        self.started.wait(timeout)
-        return self.hello is not None and self.proc.poll() is None
+        """Wait up to `timeout` seconds for the hellos; True if the processes are up and usable."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for s in (self, *self.peers):
+            s.started.wait(None if end is None else max(0.0, end - time.monotonic()))
+        return all(s.hello is not None and s.proc.poll() is None for s in (self, *self.peers))
 
     def alive(self):
-        return self.proc.poll() is None
+        return self.proc.poll() is None and all(p.alive() for p in self.peers)
 
     def log_tail(self, chars=2000):
         try:
@@ -106,6 +174,10 @@ class Server:
 
     def why_not(self, env):
         """None if a launch with `env` can be warm now, else the reason in one sentence."""
+        for p in self.peers:
+            why = p.why_not(env)
+            if why is not None:
+                return why
         if not self.started.is_set():
             return "the warm process is still starting"
         if self.hello is None or not self.alive():
@@ -124,26 +196,40 @@ class Server:
         return None
 
     def spawn(self, args, env, cwd, log):
-        """Ask for an agent running `python -m ddp_lesson.rank.guard --agent ... ARGS`; returns an
-        Agent once it exists, or raises Unavailable."""
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(REPLY_TIMEOUT_S)
-            s.connect(self.path)
-            s.sendall((json.dumps({"args": list(args), "env": dict(env), "cwd": str(cwd),
-                                   "log": str(log)}) + "\n").encode())
-            agent = Agent(s)
-            reply = agent.next_message(REPLY_TIMEOUT_S)
-        except (OSError, ValueError) as e:
-            s.close()
-            raise Unavailable(f"the warm process did not answer ({e})") from None
-        if reply is None or "pid" not in reply:
-            s.close()
-            raise Unavailable((reply or {}).get("error", "the warm process closed the connection"))
-        agent.pid = reply["pid"]
-        return agent
+        """Ask for an agent running `python -m ddp_lesson.rank.guard --agent ... ARGS` whose
+        local rank R is forked by warm process R; returns an Agent once it exists, or raises
+        Unavailable."""
+        env = {**env, PATHS_ENV: os.pathsep.join(s.path for s in (self, *self.peers))}
+        return request(self.path, {"args": list(args), "env": env, "cwd": str(cwd), "log": str(log)})
+
+    def retire(self, wait=2.0):
+        """Replaced by a newer one: the runs these processes serve finish, then they exit
+        (waits up to `wait` s for that when none runs)."""
+        for s in (self, *self.peers):
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                    conn.settimeout(REPLY_TIMEOUT_S)
+                    conn.connect(s.path)
+                    conn.sendall(b'{"drain": true}\n')
+                    conn.recv(100)
+            except OSError:
+                pass   # not answering: it is gone, or was never up
+        end = time.monotonic() + wait
+        for s in (self, *self.peers):
+            try:
+                s.proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        threading.Thread(target=self._reap_retired, name="ddp-lesson-warm-retired", daemon=True).start()
+
+    def _reap_retired(self):
+        for s in (self, *self.peers):
+            s.proc.wait()
+            shutil.rmtree(s.dir, ignore_errors=True)
 
     def stop(self):
+        for p in self.peers:
+            p.stop()
         if self.proc.poll() is None:
             self.proc.kill()
         try:
@@ -151,51 +237,3 @@ class Server:
         except subprocess.TimeoutExpired:
             pass
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class Agent:
-    """A run's agent, forked by the warm process; like a Popen: pid, wait(timeout), poll()."""
-
-    def __init__(self, sock):
-        self.pid = None
-        self.returncode = None
-        self._sock = sock
-        self._buf = b""
-        self._lost = False
-
-    def next_message(self, timeout):
-        """The next message from the warm process, None at end of stream, or TimeoutError."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            if not select.select([self._sock], [], [], left)[0]:
-                raise TimeoutError("no message from the warm process")
-            chunk = self._sock.recv(65536)
-            if not chunk:
-                return None
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def wait(self, timeout=None):
-        if self.returncode is not None:
-            return self.returncode
-        if self._lost:
-            raise Lost("the warm process that started this run died during it")
-        try:
-            msg = self.next_message(timeout)
-        except TimeoutError:
-            raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout) from None
-        if msg is None or "exit" not in msg:
-            self._lost = True
-            self._sock.close()
-            raise Lost("the warm process that started this run died during it")
-        self.returncode = msg["exit"]
-        self._sock.close()
-        return self.returncode
-
-    def poll(self):
-        try:
-            return self.wait(0)
-        except subprocess.TimeoutExpired:
-            return None

@@ -1,6 +1,5 @@
-"""What each rank of a warm launch runs: torchrun's `--run-path --start-method fork` runs
-this file as `__main__` in a forked worker, with sys.argv = [this file, "--rank", SCRIPT,
-ARGS...]; the guard then runs SCRIPT as `__main__` exactly as in a cold launch."""
+"""Kept for old names only: warm ranks were once torchrun's `--run-path --start-method fork`
+workers running this file. They are now forked by their own warm process (warm_ranks)."""
 from ddp_lesson.rank import guard
 
 guard.main()

@@ -16,11 +16,10 @@ is armed, it exits at once, so a launcher killed right after start() leaves noth
   logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
   and prints the traceback once, from the script's own frames on; dumps its Python stack to
   logs/rank<R>.stack.log on SIGUSR1 (the launcher asks for it when a run times out).
-- a forked rank (a warm launch: torchrun's own `--run-path --start-method fork`, from an
-  agent forked by ddp_lesson.rank.warm_server): the same, after it has shed what it inherited
-  (the warm process's signal handlers, atexit handlers and stdio objects, whose locks another
-  thread may have held at the fork; torch's and numpy's random state) and taken
-  OMP_NUM_THREADS as a fresh process would; a clean exit returns to torch's worker code, which hands torchrun the result.
+- a forked rank (a warm launch: forked by its own warm process, ddp_lesson.rank.warm_server,
+  at the agent's request, see warm_ranks): the same, after it has shed what it inherited (the
+  warm process's signal handlers and stdio objects; torch's and numpy's random state, the
+  temporary folder) and taken OMP_NUM_THREADS as a fresh process would.
 A rank imports only the standard library here, so the guard adds nothing measurable to
 its start-up.
 """
@@ -32,6 +31,7 @@ import io
 import json
 import os
 import runpy
+import select
 import signal
 import sys
 import threading
@@ -42,14 +42,14 @@ import weakref
 
 from . import rundir
 
+WARM_RANKS_ENV = "DDP_LESSON_WARM_RANKS"   # warm_ranks.PATHS_ENV (not imported: cold ranks need nothing of it)
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 AGENT_ENV = "DDP_LESSON_AGENT_PID"   # a rank's expected parent: the torchrun agent
 AGENT_TEARDOWN_S = 15                # after its parent died, torchrun's teardown gets this long
 STACK_SIGNAL = signal.SIGUSR1
 FORKED_ENV = "DDP_LESSON_FORKED"     # set by a warm launch: ranks are forked, not started
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-_launch_nvml_check = None             # a warm agent's: the launch's own value, for its ranks
+SCRIPT_ENV = "DDP_LESSON_SCRIPT"     # the learner's own file, which the run directory's script.py copies
 
 
 def _prctl(option, value):
@@ -87,6 +87,37 @@ def watch_parent(sig=signal.SIGKILL, parent=None, interval=0.5, on_orphan=None):
             on_orphan()
 
     threading.Thread(target=poll, name="ddp-lesson-parent-guard", daemon=True).start()
+
+
+def watch_pid(pid, sig=signal.SIGKILL, interval=0.5):
+    """Deliver `sig` to this process when process `pid` (not our parent) ends: a warm rank's
+    agent, which did not fork it. Exits at once if it is gone already."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is None and not _exists(pid):
+        os._exit(128 + int(sig))
+
+    def wait():
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _exists(pid):
+                time.sleep(interval)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=wait, name="ddp-lesson-agent-guard", daemon=True).start()
+
+
+def _exists(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 # -- the agent --------------------------------------------------------------------------------
@@ -144,45 +175,19 @@ def _record_agent_exit(e):
         rows = [{"rank": int(rank), "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
                  "error_file": f.error_file, "timestamp": f.timestamp, "message": f.message}
                 for rank, f in sorted(e.failures.items())]
-        if forked() and rows:
-            rows += _other_forked_failures(rows)
         _write_failures({"failures": rows, "time": time.time()})
     elif type(e).__name__ == "SignalException":
         _write_failures({"signal": getattr(e, "sigval", signal.SIGTERM).name, "time": time.time()})
-
-
-def _other_forked_failures(rows):
-    """With forked workers torch reports one failure, the first its poll finds, not the first
-    that happened: a rank killed by SIGKILL can lose to the peer that raised "connection closed"
-    because of it. A subprocess agent reports every failed worker; here the others come from
-    multiprocessing's records of this agent's workers. An attempt's workers are created in
-    local-rank order, so their creation numbers (in their names, "ForkProcess-N") give the rank."""
-    import multiprocessing.process
-    workers = {}
-    for proc in gc.get_objects():
-        if issubclass(type(proc), multiprocessing.process.BaseProcess) and proc.pid != os.getpid():
-            number = proc.name.rsplit("-", 1)[-1].split(":")[-1]
-            if number.isdigit():
-                workers[int(number)] = proc
-    first = rows[0]
-    known = next((n for n, proc in workers.items() if proc.pid == first["pid"]), None)
-    if known is None:
-        return []
-    extra, reported = [], {r["local_rank"] for r in rows}
-    for number, proc in workers.items():
-        local = first["local_rank"] + number - known
-        if local < 0 or local in reported or proc.exitcode in (None, 0):
-            continue
-        extra.append({"rank": first["rank"] - first["local_rank"] + local, "local_rank": local,
-                      "pid": proc.pid, "exitcode": proc.exitcode, "error_file": None,
-                      "timestamp": first["timestamp"], "message": ""})
-    return extra
 
 
 def run_agent(argv):
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     os.environ[AGENT_ENV] = str(os.getpid())
     launcher = os.getppid()
+    paths = os.environ.pop(WARM_RANKS_ENV, "")
+    if paths:   # a warm launch: each rank is forked by its own warm process
+        from . import warm_ranks
+        warm_ranks.install(paths.split(os.pathsep))
     try:
         run_target(argv, rank=None)
     except BaseException as e:
@@ -316,30 +321,16 @@ def fresh_stdio():
                                   write_through=True, errors="backslashreplace")
 
 
-def count_gpus_without_cuda():
-    """In a warm launch's agent, before torchrun runs: its LaunchConfig asks
-    torch.accelerator.is_available(), which asks CUDA's runtime and poisons fork unless
-    NVML_CHECK is "1" and NVML can count (warm.py goes cold for GPUs where it cannot); the
-    ranks are forks of this agent. A poisoned rank could not use its GPU ("Cannot
-    re-initialize CUDA in forked subprocess"). Each forked rank takes the launch's value back."""
-    global _launch_nvml_check
-    _launch_nvml_check = os.environ.get(NVML_CHECK)
-    os.environ[NVML_CHECK] = "1"
-
-
 def forked():
     """Is this rank a forked worker of a warm launch (not a fresh interpreter)?"""
     return os.environ.get(FORKED_ENV) == "1"
 
 
 def _shed_inheritance():
-    """What a forked rank must not keep from the process it was forked from."""
+    """What a forked rank must not keep from the warm process it was forked from. That
+    process only imported torch and waited, so its atexit handlers are what `import torch`
+    registers in a new interpreter too: they stay."""
     restore_signals()
-    atexit._clear()  # the warm process's handlers are not the script's
-    if _launch_nvml_check is None:   # the launch's environment, as a cold rank gets it
-        os.environ.pop(NVML_CHECK, None)
-    else:
-        os.environ[NVML_CHECK] = _launch_nvml_check
     # inherited file objects are not flushed at the end: their buffers hold the agent's
     # output (it would come out twice) and their locks may be held by a thread not here
     _inherited_files.update(o for o in gc.get_objects() if issubclass(type(o), io.IOBase))
@@ -358,6 +349,8 @@ def _shed_inheritance():
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # what import torch does with it in a new process
+    import tempfile
+    tempfile.tempdir = None   # found again from this launch's TMPDIR, as a new process would
 
 
 def run_target(argv, rank=None):
@@ -366,36 +359,31 @@ def run_target(argv, rank=None):
         _shed_inheritance()
     if run_dir and rank is not None:
         _redirect(run_dir, rank)
+        _write_pid(run_dir, rank)
     if argv[0] == "-m":
         sys.argv = argv[1:]
         run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
     else:
         script = os.path.abspath(argv[0])
-        sys.argv = [script] + argv[1:]
-        sys.path[0] = os.path.dirname(script)
-        extra = os.environ.get("DDP_LESSON_SCRIPT_DIR")  # where the original script lives
-        if extra and extra not in sys.path:
-            sys.path.insert(1, extra)
-        run = lambda: runpy.run_path(script, run_name="__main__")  # noqa: E731
+        # the learner's own file names the script (__file__, argv[0], argparse's prog), as under
+        # torchrun; the code run is the run directory's copy (an edit made during the run is
+        # not), and tracebacks and stack dumps name that copy, the code that ran
+        own = os.environ.get(SCRIPT_ENV) if rank is not None else None
+        name = own if own and os.path.isfile(own) else script
+        sys.argv = [name] + argv[1:]
+        sys.path[0] = os.path.dirname(name)
+        for extra in (os.path.dirname(script), os.environ.get("DDP_LESSON_SCRIPT_DIR")):
+            if extra and extra not in sys.path:
+                sys.path.insert(1, extra)
+        run = lambda: _run_file(script, name)  # noqa: E731
     if rank is None:
         run()
         return
-    real_exit, keep = os._exit, forked()
-    if keep:
-        os._exit = _zero_exit_returns(real_exit)
     try:
-        # a forked rank ends in torch's worker code, not in os._exit here: it keeps the
-        # script's globals and frames, so no destructor runs then (one can abort the process)
-        result = run()
-        if keep:
-            _kept.append(result)
+        run()
     except SystemExit as e:
-        if keep:
-            _kept.append(e)
         if e.code in (None, 0):
-            os._exit = real_exit
             _exit_rank(0)
-            return
         code = e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)  # what the interpreter prints for sys.exit("text")
@@ -406,24 +394,48 @@ def run_target(argv, rank=None):
         _record(run_dir, rank, f"{type(e).__name__}: {e}", tb)
         sys.stderr.write(tb)  # once, as the interpreter would, without our frames
         _exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
-    os._exit = real_exit
     _exit_rank(0)
 
 
-_kept = []
+_main = []   # the script's module: its globals live until the process ends, as in `python script.py`
 
 
-def _zero_exit_returns(real_exit):
-    """os._exit for a forked rank's script: torchrun collects a forked rank's result when it
-    returns, so os._exit(0) (some scripts leave that way, to skip destructors) ends the
-    script as sys.exit(0) does. Its own children (a DataLoader's workers) exit for real."""
-    rank_pid = os.getpid()
+def _run_file(path, name):
+    """Run the file at `path` as __main__ with __file__ `name` (runpy.run_path says `path`)."""
+    import types
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__file__ = name
+    module.__cached__ = None
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module   # and it stays: pickles of the script's classes name it
+    _main.append(module)
+    exec(code, module.__dict__)
 
-    def _exit(code):
-        if code == 0 and os.getpid() == rank_pid:
-            raise SystemExit(0)
-        real_exit(code)
-    return _exit
+
+def _write_pid(run_dir, rank):
+    """logs/rank<R>.pid: "PID START" of this rank, how the launcher finds it (a warm rank is
+    not the agent's child)."""
+    try:
+        with open(rundir.logs(run_dir) / f"rank{rank}.pid", "w") as f:
+            f.write(f"{os.getpid()} {_start_ticks()}\n")
+    except OSError:
+        pass
+
+
+def _start_ticks():
+    with open("/proc/self/stat") as f:
+        data = f.read()
+    return data[data.rindex(")") + 2:].split()[22 - 3]
+
+
+def _wait_for_threads():
+    """What the interpreter does before atexit: wait for every non-daemon thread."""
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon and t is not threading.main_thread():
+            t.join()
 
 
 def _exit_rank(code):
@@ -432,11 +444,11 @@ def _exit_rank(code):
     in the wrong order and abort the process ("terminate called without an active
     exception", SIGABRT; seen here on gloo, cf. pytorch/pytorch#190489), turning a finished
     run into a failed one and a clean sys.exit(3) into -6. What finalization would do for
-    the script is done first: atexit handlers, then flushing every open file.
-    A forked rank that succeeded returns instead: torch's worker code then hands torchrun
-    its result and exits without finalization (multiprocessing's os._exit)."""
+    the script is done first: waiting for non-daemon threads, atexit handlers, then
+    flushing every open file."""
     if "torch.distributed" not in sys.modules and not forked():
         sys.exit(code)
+    _wait_for_threads()
     atexit._run_exitfuncs()
     with warnings.catch_warnings():  # looking at every object must not print deprecations
         warnings.simplefilter("ignore")
@@ -447,8 +459,6 @@ def _exit_rank(code):
                         obj.flush()
                 except Exception:  # a broken pipe or a half-closed stream must not block the exit
                     pass
-    if code == 0 and forked():
-        return
     os._exit(code)
 
 
@@ -470,6 +480,9 @@ def main(argv=None):
     if role == "rank" and parent is None and os.environ.get(AGENT_ENV):
         parent = int(os.environ[AGENT_ENV])
     watch_parent(sig, parent, on_orphan=_orphaned_agent if role == "agent" else None)
+    agent = os.environ.get(AGENT_ENV)
+    if role == "rank" and agent and int(agent) != parent:
+        watch_pid(int(agent), sig)   # a warm rank: its warm process forked it, for this agent
     if role == "agent":
         run_agent(argv)
     else:

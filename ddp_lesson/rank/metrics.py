@@ -107,9 +107,12 @@ def log_process(step=0, **values):
     (the torchrun agent) and the agent's parent (the kernel, or the warm process that forked
     the agent for it), its local rank, the world size, the ranks' store, whether torchrun says
     the agent hosts it (TORCHELASTIC_USE_AGENT_STORE; not with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-    and the ports the agent listens on (the rendezvous store and, by default, the ranks' store)."""
-    agent = os.getppid()
-    log(step, pid=os.getpid(), parent=agent, agent_parent=parent_of(agent), program=program(),
+    and the ports the agent listens on (the rendezvous store and, by default, the ranks' store).
+    A warm rank was forked by its own warm process at the agent's request: `os_parent` is
+    that process, `parent` the agent (the guard tells every rank its agent's PID)."""
+    agent = int(os.environ.get("DDP_LESSON_AGENT_PID") or os.getppid())
+    log(step, pid=os.getpid(), parent=agent, os_parent=os.getppid(), agent_parent=parent_of(agent),
+        program=program(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",

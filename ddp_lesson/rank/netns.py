@@ -8,6 +8,10 @@ process can connect to it, and no port can clash with another run's. Files, Unix
 processes and signals are as before: only the network is private, and this user stays this
 user (its own uid and gid are mapped, nothing else).
 
+`python netns.py --join PID CMD ARGS...` enters the private network that process PID made
+instead of a new one: a warm launch's warm processes (one per local rank) share one network,
+so rank R, forked by warm process R, reaches the store the agent made in warm process 0's.
+
 `python netns.py --probe` exits 0 if that works here, else prints why and exits 1.
 Standard library only, and run as a file (no package import), so it costs a few ms.
 """
@@ -43,6 +47,28 @@ def enter():
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
+def join(pid, wait_s=30.0):
+    """Move this (single-threaded) process into the user and network namespace of process `pid`,
+    once it has made them (it may still be starting). We own that user namespace, so we hold
+    the capabilities setns(2) asks for there."""
+    import time
+    mine = os.readlink("/proc/self/ns/net")
+    end = time.monotonic() + wait_s
+    while os.readlink(f"/proc/{pid}/ns/net") == mine:   # raises if pid is gone
+        if time.monotonic() > end:
+            raise OSError(0, f"process {pid} made no network of its own within {wait_s:.0f} s")
+        time.sleep(0.005)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name, flag in (("user", CLONE_NEWUSER), ("net", CLONE_NEWNET)):   # the user namespace first
+        fd = os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, flag) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns({name} of {pid}): {os.strerror(err)}")
+        finally:
+            os.close(fd)
+
+
 def main(argv):
     if argv == ["--probe"]:
         try:
@@ -52,10 +78,14 @@ def main(argv):
             return 1
         return 0
     if not argv:
-        print("usage: python netns.py CMD [ARGS...] | --probe", file=sys.stderr)
+        print("usage: python netns.py [--join PID] CMD [ARGS...] | --probe", file=sys.stderr)
         return 2
     try:
-        enter()
+        if argv[0] == "--join":
+            join(int(argv[1]))
+            argv = argv[2:]
+        else:
+            enter()
     except OSError as e:
         # the launcher probed first, so this is rare: refuse rather than run unprotected
         print(f"ddp_lesson: cannot make the run's private network ({e.strerror or e})", file=sys.stderr)

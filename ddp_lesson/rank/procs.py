@@ -137,6 +137,22 @@ def wait_gone(procs, timeout):
     return alive
 
 
+def ranks(run_dir):
+    """The ranks of a run alive now, from their pid files (logs/rank<R>.pid, "PID START" with
+    START in clock ticks since boot): a warm rank is not a child of the agent."""
+    found = []
+    for f in sorted(rundir.logs(run_dir).glob("rank*.pid")):
+        try:
+            pid, ticks = f.read_text().split()
+            p = psutil.Process(int(pid))
+            started = psutil.boot_time() + int(ticks) / os.sysconf("SC_CLK_TCK")
+            if abs(p.create_time() - started) < 0.05 and alive(p):
+                found.append(p)
+        except (OSError, ValueError, psutil.Error):
+            continue
+    return found
+
+
 def end_tree(pid, grace=5.0, run_dir=None, token=None):
     """SIGTERM the root (torchrun tears its workers down), wait `grace` seconds, then
     SIGKILL whatever is left of the tree as it was and of the run's processes. Give the

@@ -1,10 +1,12 @@
-"""The warm process of a warm launch: `python -m ddp_lesson.rank.warm_server --parent PID SOCKET`.
+"""A warm process of a warm launch: `python -m ddp_lesson.rank.warm_server --parent PID SOCKET`.
 
 It imports torch and what `DDP(...)` imports once, says hello on stdout and waits on a Unix
-socket. For each launch it forks a child that becomes the run's torchrun agent: the module
-`torch.distributed.run` that a CLI torchrun runs, under the same guard, given torchrun's own
-`--run-path --start-method fork` so that the agent forks its ranks too. It answers with the
-agent's PID and, once it has reaped it, its exit status.
+socket. A launcher holds one per local rank, each a separate interpreter (so each has its own
+hash seed). Asked for an agent, one forks a child that becomes the run's torchrun agent: the
+module `torch.distributed.run` that a CLI torchrun runs, under the same guard. That agent asks
+warm process R for rank R (warm_ranks), which forks a child that runs the guarded rank. Each
+answer is the child's PID and, once it has reaped it, its exit status. Asked to drain (a newer
+warm process replaces it), it takes no new request and exits once its children have ended.
 
 It holds one thread whenever it forks (it checks), never initializes CUDA, imports of this
 package only the guard (nothing a learner edits), and dies with the process that started it.
@@ -18,6 +20,7 @@ import json
 import os
 import selectors
 import signal
+import site
 import socket
 import sys
 import threading
@@ -38,8 +41,8 @@ OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py
 
 
 def fingerprint(here=None):
-    """What the warm process was built from: this interpreter, torch's installed files and
-    this package's modules it holds (in `here`, this package's folder by default). A launcher
+    """What the warm process was built from: this interpreter, torch's installed files, the
+    installed packages' folders and this package's modules it holds (in `here`, this package's folder by default). A launcher
     compares it with the running process's before every launch, so an upgrade or an edit is
     never served by a stale one."""
     here = Path(here or Path(__file__).resolve().parents[1])
@@ -47,6 +50,9 @@ def fingerprint(here=None):
     files = [here / name for name in OWN_FILES]
     if torch_spec and torch_spec.origin:
         files.append(Path(torch_spec.origin).parent / "version.py")
+    # site-packages folders change when a package is installed, upgraded or removed, or a
+    # .pth (an editable install) is added: a warm process holds what was there at its start
+    files += [Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]]
     h = hashlib.sha256(sys.executable.encode())
     for f in files:
         try:
@@ -83,9 +89,10 @@ def _read_request(conn):
     return json.loads(buf)
 
 
-def _become_agent(req, warm_pid, inherited, fds):
+def _become(req, warm_pid, inherited, fds):
     """In the forked child: drop the warm process's sockets and signal set-up, take the
-    launch's session, files, directory and environment, and run the guarded torchrun."""
+    launch's session, files, directory and environment, and run the guarded torchrun agent
+    (req["role"] "agent") or one rank of a run (role "rank": a warm agent asks for each)."""
     code = 1
     try:
         for f in inherited:
@@ -96,21 +103,25 @@ def _become_agent(req, warm_pid, inherited, fds):
         guard.restore_signals()   # SIGCHLD's and any other handler of the warm process
         os.setsid()   # as start_new_session=True: a terminal's Ctrl-C is not the run's
         null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
         os.close(null)
-        os.close(log)
+        for fd, path in ((1, req.get("stdout") or req["log"]), (2, req.get("stderr") or req["log"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
         guard.fresh_stdio()
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        guard.count_gpus_without_cuda()   # the ranks are forks of this agent: keep CUDA usable in them
+        if req.get("role") == "rank":
+            os.environ[guard.FORKED_ENV] = "1"
         guard.publish_environ()   # the run's identity, where procs and cleanup look for it
-        # `python -m torch.distributed.run` runs that module once, as __main__: so does this
-        sys.modules.pop("torch.distributed.run", None)
-        guard.main(["--agent", "--parent", str(warm_pid), *req["args"]])
+        if req.get("role") == "rank":
+            guard.main(["--rank", "--parent", str(warm_pid), *req["args"]])
+        else:
+            # `python -m torch.distributed.run` runs that module once, as __main__: so does this
+            sys.modules.pop("torch.distributed.run", None)
+            guard.main(["--agent", "--parent", str(warm_pid), *req["args"]])
         code = 0
     except SystemExit as e:
         if e.code is None:
@@ -145,6 +156,7 @@ def serve(listener):
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(wake_r, selectors.EVENT_READ, "child")
     agents = {}   # pid -> the launcher's connection
+    draining = False   # replaced by a newer warm process: serve what runs, then exit
     while True:
         for key, _ in sel.select():
             if key.data == "child":
@@ -162,6 +174,15 @@ def serve(listener):
                 _reply(conn, {"error": f"bad request: {e}"})
                 conn.close()
                 continue
+            if req.get("drain"):   # no new runs; the running ones finish, then this exits
+                draining = True
+                sel.unregister(listener)
+                listener.close()
+                _reply(conn, {"draining": len(agents)})
+                conn.close()
+                if not agents:
+                    return
+                continue
             need = len(guard.environ_text(req.get("env", {}))) + RANK_ENV_ROOM
             if need > guard.environ_space()[1]:
                 _reply(conn, {"error": f"the launch's environment ({need} bytes) does not fit "
@@ -175,10 +196,12 @@ def serve(listener):
             warm_pid = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _become_agent(req, warm_pid, [sel, listener, conn, *agents.values()], (wake_r, wake_w))
+                _become(req, warm_pid, [sel, listener, conn, *agents.values()], (wake_r, wake_w))
             agents[pid] = conn
             _reply(conn, {"pid": pid})
         _reap(agents)
+        if draining and not agents:
+            return
 
 
 def _reap(agents):
@@ -235,6 +258,7 @@ def main(argv=None):
     }) + "\n")
     hello.close()
     serve(listener)
+    os._exit(0)   # drained: every run it served has ended
 
 
 if __name__ == "__main__":

@@ -153,7 +153,8 @@ def _learner_traceback(e):
     if isinstance(e, SyntaxError):
         return "".join(traceback.format_exception_only(type(e), e))
     tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    here = _learner_traceback.__code__.co_filename   # the file that ran (a launch names __file__ the original)
+    while tb is not None and tb.tb_frame.f_code.co_filename == here:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(e), e, tb))
 
