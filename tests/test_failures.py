@@ -205,3 +205,45 @@ def test_a_stack_read_half_written_is_marked_incomplete(tmp_path):
     whole = stacks.where(tmp_path, 1)[0]
     assert whole == {"state": "init", "call": "init_process_group", "at": "script.py line 35",
                      "complete": True}
+
+
+# a forked (warm) rank whose script has ended waits in torch's worker code until every rank is
+# done: its own frames (inner to multiprocessing's _bootstrap) hold no guard frame; below them,
+# the agent's stack inherited at the fork (guard.py included) is not the rank's
+ENDED_FORKED_STACK = """main thread 0x7ff0f9e57b80
+Current thread 0x00007ff0f9e57b80 (most recent call first):
+  File "/lib/python3.11/threading.py", line 331 in wait
+  File "/site-packages/torch/multiprocessing/spawn.py", line 95 in _wrap
+  File "/lib/python3.11/multiprocessing/process.py", line 108 in run
+  File "/lib/python3.11/multiprocessing/process.py", line 314 in _bootstrap
+  File "/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 760 in _start
+  File "/site-packages/torch/distributed/run.py", line 1142 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+  File "/repo/ddp_lesson/rank/guard.py", line 367 in <lambda>
+  File "/repo/ddp_lesson/rank/guard.py", line 377 in run_target
+  File "/repo/ddp_lesson/rank/warm_server.py", line 241 in <module>
+  File "<frozen runpy>", line 198 in _run_module_as_main
+"""
+
+
+def test_a_forked_rank_past_its_script_is_ended_and_left_out_of_the_message(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank0.stack.log").write_text(WHOLE_STACK)
+    (tmp_path / "logs" / "rank1.stack.log").write_text(ENDED_FORKED_STACK)
+    where = stacks.where(tmp_path, 2)
+    assert where[1] == {"state": "ended", "call": None, "at": None, "complete": True}
+    message = stacks.timeout_message(8, where)
+    assert "rank(s) 0 waited in init_process_group" in message and "rank 1" not in message, message
+
+
+def test_a_stack_cut_off_by_faulthandler_is_all_the_scripts(tmp_path):
+    """faulthandler keeps the innermost 100 frames and writes "..." for the rest: a deep script
+    cuts off the guard; what is left is the script's, and whole."""
+    deep = "".join(f'  File "/run/script.py", line 7 in f\n' for _ in range(97))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank0.stack.log").write_text(
+        "main thread 0x7ff0f9e57b80\nCurrent thread 0x00007ff0f9e57b80 (most recent call first):\n"
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 4000 in all_reduce\n'
+        '  File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n' + deep + "  ...\n")
+    assert stacks.where(tmp_path, 1)[0] == {"state": "collective", "call": "all_reduce",
+                                            "at": "script.py line 7", "complete": True}
