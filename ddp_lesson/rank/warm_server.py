@@ -47,7 +47,9 @@ def fingerprint(here=None):
     files = [here / name for name in OWN_FILES]
     if torch_spec and torch_spec.origin:
         files.append(Path(torch_spec.origin).parent / "version.py")
-    h = hashlib.sha256(sys.executable.encode())
+    # realpath: a launcher started as ../venv/bin/python has that sys.executable, while the
+    # warm process it starts (with it) gets CPython's normalized one (3.11+)
+    h = hashlib.sha256(os.path.realpath(sys.executable).encode())
     for f in files:
         try:
             st = f.stat()
