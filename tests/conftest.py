@@ -69,11 +69,12 @@ def wait_until(predicate, timeout, interval=0.05):
 
 @functools.lru_cache(maxsize=None)
 def _call_offsets(code):
-    return {i.offset for i in dis.get_instructions(code) if i.opname == "CALL"}
+    # CALL_KW: 3.13's name for a call with keywords (3.11 and 3.12: KW_NAMES, then CALL)
+    return {i.offset for i in dis.get_instructions(code) if i.opname in ("CALL", "CALL_KW")}
 
 
 def signal_points(fn, at=None, where=lambda code: True, handler=None):
-    """Run fn() and count the points where CPython 3.11 would handle a pending signal: a
+    """Run fn() and count the points where CPython (3.11 to 3.13) handles a pending signal: a
     function's start (RESUME) and right after a call returns (CALL checks for pending
     signals once the callee is done), in frames whose code `where` accepts. At point `at`,
     do what a SIGINT arriving there does: call `handler`, or else the handler SIGINT has at
@@ -98,6 +99,11 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
         if not where(frame.f_code):
             return None
         if event == "call":
+            # opcode events from this frame's first instruction on, as 3.11 gives them: 3.13
+            # instruments the code only for a frame whose f_trace is already set, and 3.12 only
+            # where some frame asked for opcodes before sys.settrace (see below); otherwise the
+            # first call of each function shows none and the walk misses most of its points
+            frame.f_trace = tracer
             frame.f_trace_opcodes = True
             point(frame)
         elif event == "opcode":
@@ -107,6 +113,8 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
                 point(frame)
         return tracer
 
+    me = sys._getframe()
+    me.f_trace_opcodes = True   # 3.12: sys.settrace then instruments opcode events everywhere
     sys.settrace(tracer)
     try:
         fn()
@@ -115,6 +123,7 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
             raise
     finally:
         sys.settrace(None)
+        me.f_trace_opcodes = False
     return count[0]
 
 
