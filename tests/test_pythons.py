@@ -45,3 +45,14 @@ def test_a_launcher_started_through_a_path_with_dotdot_launches_warm(tmp_path):
     assert seen["status"] == "ok", seen
     assert seen["launch"]["mode"] == "warm" and seen["launch"]["why"] is None, seen
 
+
+def test_the_readme_and_pyproject_state_the_same_pythons():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    floor = re.search(r'requires-python = ">=3\.(\d+)"', pyproject)
+    assert floor, "pyproject.toml states requires-python"
+    readme = (REPO / "README.md").read_text()
+    stated = re.search(r"Python 3\.(\d+)-3\.(\d+)", readme)
+    assert stated, "the README states the Python versions that pass as 3.X-3.Y"
+    assert int(stated.group(1)) == int(floor.group(1)), (stated.group(0), floor.group(0))
+    assert "tools/python_versions.sh" in readme   # the check that keeps it true (it reads this range)
+    assert 'README.md' in (REPO / "tools" / "python_versions.sh").read_text()
