@@ -67,16 +67,22 @@ def wait_until(predicate, timeout, interval=0.05):
         time.sleep(interval)
 
 
+# the calls after which CPython checks for a pending signal: CALL (3.11-3.13), CALL_KW (3.13's
+# call with keywords; 3.11 and 3.12: KW_NAMES, then CALL), and 3.10's CALL_FUNCTION,
+# CALL_METHOD and CALL_FUNCTION_KW (each ends in CHECK_EVAL_BREAKER there)
+CALLS = ("CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW")
+
+
 @functools.lru_cache(maxsize=None)
 def _call_offsets(code):
-    # CALL_KW: 3.13's name for a call with keywords (3.11 and 3.12: KW_NAMES, then CALL)
-    return {i.offset for i in dis.get_instructions(code) if i.opname in ("CALL", "CALL_KW")}
+    return {i.offset for i in dis.get_instructions(code) if i.opname in CALLS}
 
 
 def signal_points(fn, at=None, where=lambda code: True, handler=None):
-    """Run fn() and count the points where CPython (3.11 to 3.13) handles a pending signal: a
-    function's start (RESUME) and right after a call returns (CALL checks for pending
-    signals once the callee is done), in frames whose code `where` accepts. At point `at`,
+    """Run fn() and count the points where CPython (3.10 to 3.13) handles a pending signal: a
+    function's start (RESUME; 3.10: its first instruction) and right after a call returns (a
+    call checks for pending signals once the callee is done: CALLS), in frames whose code
+    `where` accepts. At point `at`,
     do what a SIGINT arriving there does: call `handler`, or else the handler SIGINT has at
     that moment (default_int_handler raises KeyboardInterrupt; a holder notes it). A
     KeyboardInterrupt that comes out of fn() is swallowed when `at` is given. Returns how
