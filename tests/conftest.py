@@ -67,15 +67,22 @@ def wait_until(predicate, timeout, interval=0.05):
         time.sleep(interval)
 
 
+# the calls after which CPython checks for a pending signal: CALL (3.11-3.13), CALL_KW (3.13's
+# call with keywords; 3.11 and 3.12: KW_NAMES, then CALL), and 3.10's CALL_FUNCTION,
+# CALL_METHOD and CALL_FUNCTION_KW (each ends in CHECK_EVAL_BREAKER there)
+CALLS = ("CALL", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW")
+
+
 @functools.lru_cache(maxsize=None)
 def _call_offsets(code):
-    return {i.offset for i in dis.get_instructions(code) if i.opname == "CALL"}
+    return {i.offset for i in dis.get_instructions(code) if i.opname in CALLS}
 
 
 def signal_points(fn, at=None, where=lambda code: True, handler=None):
-    """Run fn() and count the points where CPython 3.11 would handle a pending signal: a
-    function's start (RESUME) and right after a call returns (CALL checks for pending
-    signals once the callee is done), in frames whose code `where` accepts. At point `at`,
+    """Run fn() and count the points where CPython (3.10 to 3.13) handles a pending signal: a
+    function's start (RESUME; 3.10: its first instruction) and right after a call returns (a
+    call checks for pending signals once the callee is done: CALLS), in frames whose code
+    `where` accepts. At point `at`,
     do what a SIGINT arriving there does: call `handler`, or else the handler SIGINT has at
     that moment (default_int_handler raises KeyboardInterrupt; a holder notes it). A
     KeyboardInterrupt that comes out of fn() is swallowed when `at` is given. Returns how
@@ -98,6 +105,11 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
         if not where(frame.f_code):
             return None
         if event == "call":
+            # opcode events from this frame's first instruction on, as 3.11 gives them: 3.13
+            # instruments the code only for a frame whose f_trace is already set, and 3.12 only
+            # where some frame asked for opcodes before sys.settrace (see below); otherwise the
+            # first call of each function shows none and the walk misses most of its points
+            frame.f_trace = tracer
             frame.f_trace_opcodes = True
             point(frame)
         elif event == "opcode":
@@ -107,6 +119,8 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
                 point(frame)
         return tracer
 
+    me = sys._getframe()
+    me.f_trace_opcodes = True   # 3.12: sys.settrace then instruments opcode events everywhere
     sys.settrace(tracer)
     try:
         fn()
@@ -115,6 +129,7 @@ def signal_points(fn, at=None, where=lambda code: True, handler=None):
             raise
     finally:
         sys.settrace(None)
+        me.f_trace_opcodes = False
     return count[0]
 
 

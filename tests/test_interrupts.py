@@ -1,7 +1,7 @@
 """ddp_lesson.interrupts: waiting on an Event from a thread where Ctrl-C can come.
 
 conftest.signal_points delivers SIGINT (raising KeyboardInterrupt) at each point, in turn,
-where CPython 3.11 would; after each, another thread must still be able to set the event.
+where CPython (3.10-3.13) would; after each, another thread must still be able to set the event.
 threading.Event.wait fails this (a lock of its Condition is left taken), which shows the
 walk can see the hazard; interrupts.wait_for passes it.
 """

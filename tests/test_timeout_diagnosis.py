@@ -66,8 +66,8 @@ def where_now(run, nproc, said):
     return where
 
 
-def started(script, nproc, cold, args=()):
-    run = launch.start(script, nproc=nproc, cpu=True, cold=cold, args=list(args), timeout=300)
+def started(script, nproc, cold, run_dir, args=()):
+    run = launch.start(script, nproc=nproc, cpu=True, cold=cold, args=list(args), timeout=300, run_dir=run_dir)
     assert run.config["launch"]["mode"] == ("cold" if cold else "warm"), run.config["launch"]
     return run
 
@@ -77,9 +77,9 @@ def lines_of(path, text):
 
 
 @pytest.mark.parametrize("cold", MODES)
-def test_a_rank_that_never_calls_init_is_the_one_named(cold, write_script):
+def test_a_rank_that_never_calls_init_is_the_one_named(cold, write_script, tmp_run_dir):
     script = write_script("no_init.py", NO_INIT)
-    run = started(script, 2, cold)
+    run = started(script, 2, cold, tmp_run_dir)
     try:
         where = where_now(run, 2, ["reached"] * 2)
     finally:
@@ -96,11 +96,11 @@ def test_a_rank_that_never_calls_init_is_the_one_named(cold, write_script):
 
 
 @pytest.mark.parametrize("cold", MODES)
-def test_a_rank_that_skips_an_all_reduce_waits_in_the_next_collective(cold):
+def test_a_rank_that_skips_an_all_reduce_waits_in_the_next_collective(cold, tmp_run_dir):
     """Notebook 07's hang: hang.py's last rank skips the second all_reduce and waits in the
     barrier after it; the others wait in that all_reduce."""
     hang = lesson_script("hang.py")
-    run = started(hang, 2, cold, ["--mode", "skip"])
+    run = started(hang, 2, cold, tmp_run_dir, ["--mode", "skip"])
     try:
         where = where_now(run, 2, ["waiting in the second all_reduce", "first all_reduce done"])
     finally:
@@ -117,9 +117,9 @@ def test_a_rank_that_skips_an_all_reduce_waits_in_the_next_collective(cold):
 
 @pytest.mark.parametrize("cold, nproc", [pytest.param(False, 2, id="warm"), pytest.param(True, 2, id="cold"),
                                          pytest.param(False, 3, id="warm-3")])
-def test_a_rank_busy_in_a_python_loop_is_busy_not_in_a_collective(cold, nproc, write_script):
+def test_a_rank_busy_in_a_python_loop_is_busy_not_in_a_collective(cold, nproc, write_script, tmp_run_dir):
     script = write_script("busy.py", BUSY)
-    run = started(script, nproc, cold)
+    run = started(script, nproc, cold, tmp_run_dir)
     try:
         where = where_now(run, nproc, ["reached"] * nproc)
     finally:
@@ -138,13 +138,13 @@ def test_a_rank_busy_in_a_python_loop_is_busy_not_in_a_collective(cold, nproc, w
 
 
 @pytest.mark.parametrize("cold", MODES)
-def test_a_launch_timeout_names_the_rank_that_never_joined(cold, write_script):
+def test_a_launch_timeout_names_the_rank_that_never_joined(cold, write_script, tmp_path):
     """The same through the launcher's own timeout: its result's message. The timeout doubles
     if the ranks had not reached their places by then (a busy machine)."""
     script = write_script("no_init.py", NO_INIT)
     timeout = 10 if not cold else 20
-    for _ in range(3):
-        run = launch.start(script, nproc=2, cpu=True, cold=cold, timeout=timeout)
+    for attempt in range(3):
+        run = launch.start(script, nproc=2, cpu=True, cold=cold, timeout=timeout, run_dir=tmp_path / f"run{attempt}")
         result = run.wait()
         if all("reached" in runs.log_tail(run.run_dir, rank=r) for r in range(2)):
             break

@@ -4,7 +4,7 @@ must survive an Interrupt that lands anywhere inside a print.
 An Interrupt (SIGINT) raises KeyboardInterrupt at whatever Python line the cell's thread is
 on. If that line was inside a lock's critical section that Python code entered, the lock
 stayed held and the rank's next print hung; found under load by test_world_abuse. Here
-the Interrupt is put, in turn, on every point of a print where CPython 3.11 would deliver
+the Interrupt is put, in turn, on every point of a print where CPython (3.10-3.13) would deliver
 it (conftest.signal_points), so the check does not depend on timing.
 """
 import io

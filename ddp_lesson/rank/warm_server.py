@@ -53,7 +53,9 @@ def fingerprint(here=None):
     # site-packages folders change when a package is installed, upgraded or removed, or a
     # .pth (an editable install) is added: a warm process holds what was there at its start
     files += [Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]]
-    h = hashlib.sha256(sys.executable.encode())
+    # realpath: a launcher started as ../venv/bin/python has that sys.executable, while the
+    # warm process it starts (with it) gets CPython's normalized one (3.11+)
+    h = hashlib.sha256(os.path.realpath(sys.executable).encode())
     for f in files:
         try:
             st = f.stat()
