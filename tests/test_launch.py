@@ -355,8 +355,10 @@ time.sleep(600)
 def test_killed_launcher_leaves_nothing_behind(tmp_run_dir, tmp_path):
     """A Jupyter kernel restart SIGKILLs the kernel; nothing forwards it to torchrun."""
     out = open(tmp_path / "launcher.out", "w+")
+    tmp = tmp_path / "tmp"   # the launcher's temporary folder: its warm processes' folders go there
+    tmp.mkdir()
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(SCRIPTS / "sleeper.py"),
-                                 str(tmp_run_dir)], env=child_env(), stdout=out,
+                                 str(tmp_run_dir)], env=dict(child_env(), TMPDIR=str(tmp)), stdout=out,
                                 stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         assert wait_until(ranks_ready(tmp_run_dir), 60), "ranks never became ready"
@@ -380,6 +382,8 @@ def test_killed_launcher_leaves_nothing_behind(tmp_run_dir, tmp_path):
     # nobody was left to write result.json but the agent, on its way out
     result = json.loads((tmp_run_dir / "result.json").read_text())
     assert result["status"] == "interrupted" and result["message"] == rundir.ORPHANED, result
+    # a stopped server or a killed kernel leaves no warm process's folder (its socket) behind
+    assert wait_until(lambda: not list(tmp.glob("ddp-lesson-warm-*")), 10), list(tmp.iterdir())
 
 
 # -- failures --------------------------------------------------------------------------------

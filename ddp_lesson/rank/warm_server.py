@@ -20,6 +20,7 @@ import json
 import os
 import selectors
 import signal
+import shutil
 import site
 import socket
 import sys
@@ -238,7 +239,14 @@ def main(argv=None):
         sys.exit("usage: python -m ddp_lesson.rank.warm_server --parent PID SOCKET")
     parent, path = int(argv[1]), argv[2]
     guard.remember_signals()
-    guard.watch_parent(signal.SIGKILL, parent)   # the launcher gone: so is this
+    folder = os.path.dirname(path)
+
+    def gone(*_):   # the launcher died (a killed kernel, a stopped server): leave no folder behind
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, gone)   # forks put it back (guard.restore_signals)
+    guard.watch_parent(signal.SIGTERM, parent)   # the launcher gone: so is this
     hello = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)   # nothing else of ours goes to the launcher's pipe
