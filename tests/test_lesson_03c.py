@@ -383,3 +383,23 @@ def test_check_cells_are_collapsed_and_the_text_before_them_says_what_they_do():
         says = re.sub(r"\s+", " ", before.lower())
         assert re.search(r"((next|collapsed|following) cells?|cells? (below|after))\b[^.]*\b(checks?|draws?|prints?|shows?|recounts?|reads?|makes?|runs?)\b", says), \
             (c[i]["id"], says[-200:])                                  # names the cell and what it does
+
+
+def _rank_loss_checker():
+    "The exercise's checker, check_rank_loss, defined from the notebook's cells with its helpers."
+    ns = {"torch": torch, "F": F, "nn": nn}
+    helpers = next(source(c) for c in cells() if "def ddp_gradient(" in source(c))
+    exec(helpers[helpers.index("X, Y = "):helpers.index("one_process = ")], ns)
+    text = next(source(c) for c in cells() if "def check_rank_loss(" in source(c))
+    start = text.index("def check_rank_loss(")
+    exec(text[start:text.index("\n\n\n", start)], ns)
+    return ns["check_rank_loss"]
+
+
+def test_rank_loss_checker_names_the_missing_world_size_factor():
+    check = _rank_loss_checker()
+    assert check(lambda losses, n, world: losses.sum() * world / n)            # the solution
+    with pytest.raises(AssertionError, match="times too small, the world size"):
+        check(lambda losses, n, world: losses.sum() / n)                      # planted: the likely miss
+    with pytest.raises(AssertionError, match="off by"):                        # other mistakes: the plain message
+        check(lambda losses, n, world: losses.mean())

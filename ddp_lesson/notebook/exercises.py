@@ -253,15 +253,28 @@ def check_dp_chunk_sizes(fn):
 
 def check_weights(fn):
     """02: fn(batch, n_devices) is each sample's weight in DataParallel's mean of per-device
-    means, as autograd finds it."""
+    means, as autograd finds it. The answer must predict them: asking autograd is refused."""
+    import inspect
     import torch
+    try:
+        text = inspect.getsource(fn)
+    except (OSError, TypeError):      # no source to read (a builtin): the no_grad run below still guards
+        text = ""
+    for word in ("backward", "autograd", "requires_grad", "enable_grad"):
+        assert word not in text, (f"your function uses {word}: the exercise is to predict each weight "
+                                  f"from DP's split, not to let autograd compute it")
     torch.manual_seed(0)
     for batch in range(1, 25):
         for n in range(1, 9):
             losses = torch.rand(batch, dtype=torch.float64, requires_grad=True)
             torch.stack([c.mean() for c in losses.chunk(n)]).mean().backward()   # DP's split, mean of means
             want = [round(w, 4) for w in losses.grad.tolist()]
-            got = fn(batch, n)
+            try:
+                with torch.no_grad():    # autograd off while your function runs
+                    got = fn(batch, n)
+            except RuntimeError as e:
+                raise AssertionError(f"batch {batch} on {n} devices: your function failed with autograd off "
+                                     f"({str(e).splitlines()[0]}): predict the weights, do not ask autograd") from None
             assert got is not None and len(got) == batch, \
                 f"batch {batch} on {n} devices: want one weight per sample, {want}; you said {got}"
             assert torch.allclose(torch.as_tensor(got, dtype=torch.float64), losses.grad), \
