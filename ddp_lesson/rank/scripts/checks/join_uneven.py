@@ -51,7 +51,8 @@ def main():
     without = train(plain, rank)
     dist.barrier()                       # the default group: every rank is done with the first part
     torch.manual_seed(0)
-    model = DDP(nn.Linear(4, 1))
+    # with Join: a timeout too, ten times longer, so a Join that fails to answer fails, not hangs
+    model = DDP(nn.Linear(4, 1), process_group=dist.new_group(timeout=datetime.timedelta(seconds=10 * TIMEOUT_S)))
     with model.join():                   # a rank out of batches answers the others' all-reduces
         joined = train(model, rank)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
