@@ -251,7 +251,8 @@ def test_set_epoch_orders_planted_wrong_input_shows():
 
 
 def test_everything_is_exported():
-    assert set(collectives.__all__) == {"all_reduce_before_after", "layers_to_buckets", "set_epoch_orders"}
+    assert set(collectives.__all__) == {"all_reduce_before_after", "layers_to_buckets", "set_epoch_orders",
+                                        "buffer_rule", "buffer_rule_verdict"}
     for name in collectives.__all__:
         assert getattr(diagrams, name) is getattr(collectives, name)
 
