@@ -251,6 +251,47 @@ def test_set_epoch_orders_planted_wrong_input_shows():
 
 
 def test_everything_is_exported():
-    assert set(collectives.__all__) == {"all_reduce_before_after", "layers_to_buckets", "set_epoch_orders"}
+    assert set(collectives.__all__) == {"all_reduce_before_after", "layers_to_buckets", "set_epoch_orders",
+                                        "buffer_rule", "buffer_rule_verdict"}
     for name in collectives.__all__:
         assert getattr(diagrams, name) is getattr(collectives, name)
+
+
+def measured_buffer_copies():
+    """ddp_checks.py's buffer_copies on one gloo rank: DDP's own decision per forward."""
+    import importlib.util
+    from ddp_lesson.bundled import script
+    spec = importlib.util.spec_from_file_location("ddp_checks_for_test", script("ddp_checks.py"))
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        return checks.buffer_copies(torch.device("cpu"), None, 0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffer_rule_draws_a_copy_tag_on_each_forward_that_copied():
+    forwards = measured_buffer_copies()
+    assert [f["kind"] for f in forwards] == ["train"] * 3 + ["eval"] * 3 + ["train"] * 2
+    assert [f["decided"] for f in forwards] == [True, True, True, True, False, False, False, True]
+    fig = diagrams.buffer_rule(forwards)
+    drawn = boxes(fig)
+    tags = sorted(x for x, _, label, _ in drawn if label == "copy")
+    bodies = sorted(x for x, _, label, _ in drawn if label and label[0].isdigit())
+    assert len(bodies) == 8
+    copied_at = [i + 1 for i, x in enumerate(bodies) if any(abs(t - x - 0.15) < 1e-6 for t in tags)]
+    assert copied_at == [1, 2, 3, 4, 8]                     # a tag above exactly the forwards that copied
+    assert texts(fig).count("no copy") == 3
+    assert any(t.startswith("each copy follows the forward before it") for t in texts(fig))
+
+
+def test_buffer_rule_verdict_names_a_forward_that_breaks_the_rule():
+    kinds = ["train"] * 3 + ["eval"] * 3 + ["train"] * 2
+    planted = [{"kind": k, "decided": True, "copied": None} for k in kinds]   # "every forward copies"
+    verdict = diagrams.buffer_rule_verdict(planted)
+    assert verdict.startswith("forwards [5, 6, 7] break the rule"), verdict
+    measured_wrong = [{"kind": k, "decided": d, "copied": not d} for k, d in
+                      zip(kinds, [True, True, True, True, False, False, False, True])]   # copies measured opposite
+    assert "break the rule" in diagrams.buffer_rule_verdict(measured_wrong)

@@ -160,8 +160,12 @@ def test_ex_syncbn_rebuilding_the_other_ranks_x_fails_on_a_real_run(tmp_path):
 RIGHT = {"backward only": [1, 2, 3, 4], "forward only": [4], "both": [4], "last only": [1, 2, 3]}
 
 
+EQUAL = {"backward only": True, "forward only": True, "both": True, "last only": False}
+
+
 def placement_rows(world, measured, differ_on_rank=None):
-    """ex_no_sync.py's rows: one per rank, placement and micro-batch, with its all-reduce count."""
+    """ex_no_sync.py's rows: one per rank, placement and micro-batch, with its all-reduce count,
+    then each placement's spread of the ranks' weights after its optimizer step."""
     rows, step = [], 0
     for placement, synced in measured.items():
         for k in range(1, 5):
@@ -170,24 +174,41 @@ def placement_rows(world, measured, differ_on_rank=None):
                 on = (k in synced) != (r == differ_on_rank and k == 1)
                 rows.append({"rank": r, "step": step, "placement": placement, "micro_batch": k,
                              "all_reduces": 2 if on else 0})
+        for r in range(world):
+            spread = 0.0 if EQUAL.get(placement, True) or world == 1 else 0.03
+            rows.append({"rank": r, "step": step, "placement": placement, "weights_spread": spread})
     return rows
 
 
 def test_no_sync(tmp_path):
     ok = fake_run(tmp_path / "ok", 3, placement_rows(3, RIGHT))
-    assert "all 4 placements" in exercises.check_no_sync(ok, RIGHT)
+    assert "all 4 placements" in exercises.check_no_sync(ok, RIGHT, EQUAL)
     assert exercises.all_reduced(ok)["last only"] == [[True, True, True, False]] * 3
+    assert exercises.weights_equal(ok) == EQUAL
     with pytest.raises(AssertionError, match="no prediction yet"):       # the starter
-        exercises.check_no_sync(ok, dict.fromkeys(RIGHT))
-    with pytest.raises(AssertionError, match=r"forward only: you said micro-batches \[1, 2, 3, 4\]") as wrong:
-        exercises.check_no_sync(ok, {**RIGHT, "forward only": [1, 2, 3, 4]})
-    assert "[4]" not in str(wrong.value)             # a wrong guess must not reveal the measured answer
+        exercises.check_no_sync(ok, dict.fromkeys(RIGHT), EQUAL)
+    with pytest.raises(AssertionError, match="no True or False yet"):    # the weights left out
+        exercises.check_no_sync(ok, RIGHT)
+    planted = {   # each wrong in one place: the verdict must not name the place, nor give the answer
+        "forward only guessed": ({**RIGHT, "forward only": [1, 2, 3, 4]}, EQUAL),
+        "the hint applied, weights ignored": (RIGHT, dict.fromkeys(RIGHT, True)),
+        "last only guessed": ({**RIGHT, "last only": [4]}, EQUAL),
+    }
+    messages = set()
+    for wrong, equal in planted.values():
+        with pytest.raises(AssertionError, match="at least one answer differs") as e:
+            exercises.check_no_sync(ok, wrong, equal)
+        messages.add(str(e.value))
+        assert "[4]" not in str(e.value) and "only" not in str(e.value), e.value
+    assert len(messages) == 1             # one sentence whatever is wrong: guessing one at a time learns nothing
+    one = fake_run(tmp_path / "one", 1, placement_rows(1, RIGHT))
+    assert "not graded" in exercises.check_no_sync(one, RIGHT, dict.fromkeys(RIGHT, True))
     split = fake_run(tmp_path / "split", 2, placement_rows(2, RIGHT, differ_on_rank=1))
     with pytest.raises(AssertionError, match="ranks all-reduced at different"):
-        exercises.check_no_sync(split, RIGHT)
+        exercises.check_no_sync(split, RIGHT, EQUAL)
     failed = fake_run(tmp_path / "failed", 1, placement_rows(1, RIGHT), status="failed")
     with pytest.raises(AssertionError, match="ended failed"):
-        exercises.check_no_sync(failed, RIGHT)
+        exercises.check_no_sync(failed, RIGHT, EQUAL)
 
 
 # -- lesson 10: the fp16 step (check_train_step), one process, no launch -------------------
@@ -288,8 +309,8 @@ def test_no_sync_prediction_of_the_wrong_kind_is_not_yet(tmp_path, capsys):
     for wrong in (4, "4", [4.0]):              # 4 instead of [4]
         predicted = {**RIGHT, "forward only": wrong}
         with pytest.raises(AssertionError, match=r"forward only: say the micro-batches as a list"):
-            exercises.check_no_sync(ok, predicted)
-        assert not exercises.grade(exercises.check_no_sync, ok, predicted)
+            exercises.check_no_sync(ok, predicted, EQUAL)
+        assert not exercises.grade(exercises.check_no_sync, ok, predicted, EQUAL)
         assert capsys.readouterr().out.startswith("not yet: forward only: say the micro-batches")
 
 

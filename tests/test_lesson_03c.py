@@ -385,3 +385,49 @@ def test_check_cells_are_collapsed_and_the_text_before_them_says_what_they_do():
         says = re.sub(r"\s+", " ", before.lower())
         assert re.search(r"((next|collapsed|following) cells?|cells? (below|after))\b[^.]*\b(checks?|draws?|prints?|shows?|recounts?|reads?|makes?|runs?)\b", says), \
             (c[i]["id"], says[-200:])                                  # names the cell and what it does
+
+
+def _rank_loss_checker():
+    "The exercise's checker, check_rank_loss, defined from the notebook's cells with its helpers."
+    ns = {"torch": torch, "F": F, "nn": nn}
+    helpers = next(source(c) for c in cells() if "def ddp_gradient(" in source(c))
+    exec(helpers[helpers.index("X, Y = "):helpers.index("one_process = ")], ns)
+    text = next(source(c) for c in cells() if "def check_rank_loss(" in source(c))
+    start = text.index("def check_rank_loss(")
+    exec(text[start:text.index("\n\n\n", start)], ns)
+    return ns["check_rank_loss"]
+
+
+def test_rank_loss_checker_names_the_missing_world_size_factor():
+    check = _rank_loss_checker()
+    assert check(lambda losses, n, world: losses.sum() * world / n)            # the solution
+    with pytest.raises(AssertionError, match="times too small, the world size"):
+        check(lambda losses, n, world: losses.sum() / n)                      # planted: the likely miss
+    with pytest.raises(AssertionError, match="off by"):                        # other mistakes: the plain message
+        check(lambda losses, n, world: losses.mean())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("planted", [False, True])
+def test_join_run_ends_with_join_and_times_out_without(tmp_path, planted):
+    # 03c's Join run on 2 real gloo ranks; planted: the `with model.join():` taken out, so the
+    # second part is as uneven as the first and must fail on rank 1 (a timeout, not a hang)
+    from ddp_lesson import launch, runs
+    text = script("join_uneven.py").read_text()
+    assert "    with model.join():" in text
+    path = tmp_path / "join_uneven.py"
+    path.write_text(text.replace("    with model.join():", "    if True:") if planted else text)
+    run = launch.start(path, nproc=2, cpu=True, run_dir=tmp_path / "run")
+    try:
+        result = run.wait(timeout=240)
+    finally:
+        run.stop()
+    assert result and result["status"] == "ok", (result, runs.log_tail(run.run_dir, 0, 30, "stderr"))
+    ranks = json.loads((Path(run.run_dir) / "join.json").read_text())
+    assert ranks[0]["without_join"]["error"] is None and ranks[0]["without_join"]["steps"] == 2
+    assert ranks[1]["without_join"]["error"] and ranks[1]["without_join"]["steps"] == 2   # waited for rank 0
+    assert ranks[1]["without_join"]["seconds"] >= 0.9 * ranks[1]["timeout_s"]
+    if planted:
+        assert ranks[1]["with_join"]["error"] and ranks[1]["with_join"]["steps"] == 2
+    else:
+        assert [r["with_join"]["steps"] for r in ranks] == [2, 3] and all(r["weights_equal"] for r in ranks)

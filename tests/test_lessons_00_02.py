@@ -127,7 +127,8 @@ def test_00_step_one_says_what_the_plot_shows(world):
     # 17 to 20 at LR 0.1, and both end near 0.01
     text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "00-panel-hood")
     assert "a loss of about 0.01" in text
-    assert "look flat after about 3 steps at LR 0.3, and after about 10 at LR 0.1" in text
+    assert "A loss that falls a hundredfold or more is drawn on a log axis" in "\n".join(
+        source(c) for c in cells("00_start_here.ipynb"))
     assert "within twice the floor after 5 steps at LR 0.3, and after 17 to 20 at LR 0.1" in text
     script = load_script(FIRST_RUN)
     near = {}
@@ -138,6 +139,7 @@ def test_00_step_one_says_what_the_plot_shows(world):
         near[lr] = next(s for s, ls in enumerate(losses) if max(ls) < 2 * 0.01)
         assert flat in flat_steps and near[lr] in near_steps, (lr, flat, near[lr])
         assert all(0.005 < l < 0.015 for l in losses[-1]), (lr, losses[-1])   # the floor, about 0.01
+        assert top >= 100 * min(losses[-1])   # a hundredfold fall: the panel draws it on a log axis
     assert near[0.1] > 3 * near[0.3]          # still falling long after it looks flat at LR 0.1
 
 
@@ -146,11 +148,71 @@ def test_00_the_panel_line_of_30_steps_is_the_plain_mean():
     # or more, so first_run.py's line is the plain mean over ranks
     from ddp_lesson.notebook.plots import smooth
     text = next(source(c) for c in cells("00_start_here.ipynb") if c.get("id") == "00-panel-hood")
-    assert "On a run of 40 steps or more" in text and "the line is the plain average" in text
+    assert "On a run of 40 steps or more" in text and "the ranks' plain average" in text
     ys = [float((7 * i) % 11) for i in range(60)]
     assert load_script(FIRST_RUN).STEPS < 40
     assert all(smooth(ys[:n]) == ys[:n] for n in range(1, 40))
     assert smooth(ys[:40]) != ys[:40]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_00_panel_draws_first_run_on_a_log_axis_with_each_rank_visible_and_no_smoothed_label(world):
+    # what the panel draws for first_run.py's 30 steps: a log axis (the loss falls a
+    # hundredfold), per-rank lines not faint, and a legend that does not say "smoothed"
+    from matplotlib.figure import Figure
+    from ddp_lesson.notebook import plots
+    losses = _losses_by_rank(load_script(FIRST_RUN), world, 0.3)
+    rows = [{"rank": r, "step": s, "loss": ls[r]} for s, ls in enumerate(losses) for r in range(world)]
+    ax = Figure().subplots()
+    plots.draw_metric(ax, rows, "loss")
+    assert ax.get_yscale() == "log"
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert not any("smoothed" in l or "raw" in l for l in labels), labels
+    assert all(line.get_alpha() is None or line.get_alpha() >= 0.7 for line in ax.get_lines())
+    flat = [{"rank": 0, "step": s, "loss": 2.3 - 0.01 * s} for s in range(60)]   # a narrow loss stays linear
+    plots.draw_metric(ax, flat, "loss")
+    assert ax.get_yscale() == "linear" and "smoothed" in ax.get_lines()[-1].get_label()
+
+
+def test_a_diverged_run_does_not_say_ok():
+    # LR = 1.5 in 00: the processes end without an error, the loss reaches 1e22; the panel's
+    # title and status line must not say "ok"
+    from pathlib import Path as P
+    from types import SimpleNamespace
+    from ddp_lesson.kernel import monitor
+    run = SimpleNamespace(config={"nproc": 2, "backend": "gloo", "label": "first_run"}, elapsed=3.0,
+                          run_dir=P("r"), result={"status": "ok", "duration_s": 3.0})
+    good = [{"rank": r, "step": s, "loss": 20.0 / (s + 1)} for s in range(30) for r in range(2)]
+    bad = good + [{"rank": 1, "step": 30, "loss": 1.3e22}]
+    assert "first_run: ok" in monitor.title(run, good)
+    assert monitor.result_text(run, good).startswith("Finished ok")
+    assert ": ok" not in monitor.title(run, bad) and "diverged" in monitor.title(run, bad)
+    text = monitor.result_text(run, bad)
+    assert "diverged" in text and "loss 1.3e+22" in text and not text.startswith("Finished ok"), text
+    assert "diverged" in monitor.title(run, good + [{"rank": 0, "step": 30, "loss": float("nan")}])
+
+
+def _weights_via_autograd(batch, n_devices):
+    # planted: lets autograd find the weights instead of predicting them (passed before issue 45)
+    losses = torch.rand(batch, dtype=torch.float64, requires_grad=True)
+    torch.stack([c.mean() for c in losses.chunk(n_devices)]).mean().backward()
+    return losses.grad.tolist()
+
+
+def _weights_via_hidden_autograd(batch, n_devices):
+    # planted: the same, with the word hidden from a source check
+    losses = torch.rand(batch, dtype=torch.float64)
+    getattr(losses, "requires" + "_grad_")(True)
+    getattr(torch.stack([c.mean() for c in losses.chunk(n_devices)]).mean(), "back" + "ward")()
+    return losses.grad.tolist()
+
+
+def test_02_checker_accepts_the_prediction_and_refuses_autograd():
+    from ddp_lesson.exercises import check_weights
+    assert check_weights(_mean_of_means_weights)
+    for planted in (_weights_via_autograd, _weights_via_hidden_autograd):
+        with pytest.raises(AssertionError, match="autograd"):
+            check_weights(planted)
 
 
 @pytest.mark.timeout(120)

@@ -895,3 +895,32 @@ def test_04_text_states_the_tutorials_numbers_its_curves_give():
     text = " ".join(cells["04-csdn"].split())
     assert f"{max(sync):.3f} against {max(plain):.3f}" in text and max(sync) > max(plain)       # best: SyncBN ahead
     assert f"{sync[-1]:.3f} against {plain[-1]:.3f}" in text and sync[-1] < plain[-1]          # final: not
+
+
+def _visible_markdown(name):
+    "The markdown a learner reads with every fold closed, cell by cell."
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / name).read_text())
+    out = []
+    for c in nb["cells"]:
+        text = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+        if c["cell_type"] == "markdown" and not text.lstrip().startswith("<details>"):
+            out.append(text)
+    return out
+
+
+@pytest.mark.parametrize("name,term", [
+    ("03b_ddp_equals_one_process.ipynb", "no_sync"),        # taught in 05
+    ("01_data_parallel.ipynb", "buffer rule"),              # taught in 03b
+    ("05_gradient_accumulation.ipynb", "unscale_"),         # GradScaler comes in 10
+])
+def test_no_term_in_the_lesson_text_before_the_notebook_that_teaches_it(name, term):
+    assert not [t for t in _visible_markdown(name) if term in t], (name, term)
+
+
+@pytest.mark.parametrize("name,term", [
+    ("00_start_here.ipynb", "panel"), ("03_ddp_torchrun.ipynb", "sampler")])
+def test_a_term_is_first_used_where_it_is_defined(name, term):
+    # the first visible use of the word is its bold definition
+    first = next(t for t in _visible_markdown(name) if term in t.lower())
+    i = first.lower().index(term)
+    assert "**" in first[max(0, i - 20):i + len(term) + 3], first[max(0, i - 80):i + 80]

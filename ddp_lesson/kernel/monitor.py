@@ -17,6 +17,7 @@ latest run and its Monitor, and which run a cell must check after a click on Run
 second, fewer when a frame is slow to draw (on a small machine the viewer shares cores
 with the ranks it watches), and never more than MAX_FRAME_S apart while points arrive.
 """
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -49,10 +50,23 @@ def launch_text(config):
     return f"cold ({why})" if why else "cold"
 
 
-def title(run):
-    """`label: status, 12.3 s  (devices)`: the live plot's title."""
+def diverged(rows):
+    """Whether the loss of a run's `rows` diverged: its last value is not finite, or over ten
+    times its first, on some rank. Its processes may still have ended without an error."""
+    by_rank = {}
+    for r in rows:
+        if r.get("loss") is not None:
+            by_rank.setdefault(r.get("rank"), []).append(r["loss"])
+    return any(not math.isfinite(v[-1]) or abs(v[-1]) > 10 * abs(v[0]) for v in by_rank.values() if len(v) > 1)
+
+
+def title(run, rows=()):
+    """`label: status, 12.3 s  (devices)`: the live plot's title; an ok run whose loss
+    diverged (`rows`, its metric rows) says so instead of "ok"."""
     res = run.result
     state = res["status"] if res else "running"
+    if state == "ok" and diverged(rows):
+        state = "ended, but the loss diverged"
     extra = f", {res['duration_s']:.1f} s" if res and res.get("duration_s") is not None else ""
     return f"{run.config.get('label', run.run_dir.name)}: {state}{extra}  ({where(run.config)})"
 
@@ -75,8 +89,11 @@ def result_text(run, rows=()):
         for key, fmt in (("loss", "{:.3f}"), ("test_accuracy", "{:.1%}")):
             vals = [r[key] for r in rows if key in r]
             if vals:
-                bits.append(f"{key.replace('_', ' ')} {fmt.format(vals[-1])}")
+                big = key == "loss" and not abs(vals[-1]) < 1e4        # 1.3e22, inf or nan
+                bits.append(f"{key.replace('_', ' ')} {('{:.3g}' if big else fmt).format(vals[-1])}")
         tail = (", " + ", ".join(bits)) if bits else ""
+        if diverged(rows):
+            return f"Finished without an error in {res['duration_s']:.1f} s, but the loss diverged{tail}. Run dir: {run.run_dir}"
         return f"Finished ok in {res['duration_s']:.1f} s{tail}. Run dir: {run.run_dir}"
     if status == "failed":
         if res.get("failure"):
@@ -151,10 +168,10 @@ class Monitor:
         extra = {"stragglers": slow, "times": self.times,
                  "resources": resources_text(self.times, slow, self._gpu_use(ended))}
         if not ended:
-            return Update(rows, "running", running_text(run, self.rows), title(run), log, chunks, **extra)
+            return Update(rows, "running", running_text(run, self.rows), title(run, self.rows), log, chunks, **extra)
         if run.result["status"] == "failed":
             log = (log + "\n\n" if log else "") + run.result.get("message", "")
-        return Update(rows, run.result["status"], result_text(run, self.rows), title(run), log, chunks,
+        return Update(rows, run.result["status"], result_text(run, self.rows), title(run, self.rows), log, chunks,
                       ended=True, **extra)
 
     def updates(self, interval=POLL_S, timeout=None):

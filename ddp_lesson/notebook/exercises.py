@@ -148,17 +148,31 @@ def all_reduced(run_dir):
     the rows ex_no_sync.py logged."""
     rec, world = _finished(run_dir)
     out = {}
-    for row in sorted((r for r in rec.rows if "placement" in r), key=lambda r: (r["rank"], r["step"])):
+    rows = (r for r in rec.rows if "placement" in r and "all_reduces" in r)
+    for row in sorted(rows, key=lambda r: (r["rank"], r["step"])):
         ranks = out.setdefault(row["placement"], [[] for _ in range(world)])
         ranks[row["rank"]].append(row["all_reduces"] > 0)
     return out
 
 
-def check_no_sync(run_dir, predicted):
+def weights_equal(run_dir, tol=1e-7):
+    """05: {placement: do the ranks' weights agree after its optimizer step?}, from the
+    spread ex_no_sync.py logged."""
+    rec, _ = _finished(run_dir)
+    return {r["placement"]: r["weights_spread"] <= tol for r in rec.rows if "weights_spread" in r}
+
+
+def check_no_sync(run_dir, predicted, equal=None):
     """05: `predicted` maps each placement of no_sync() to the micro-batches (numbered from 1)
-    whose forward and backward all-reduce; compared with what the run measured on every rank."""
+    whose forward and backward all-reduce; `equal` maps it to whether the ranks' weights agree
+    after the window's optimizer step. Both compared with what the run measured on every rank.
+    A wrong answer is not named: the verdict says only that one differs, so guessing one
+    placement at a time does not pay."""
     measured = all_reduced(run_dir)
+    agree = weights_equal(run_dir)
     assert measured, "the run logged no micro-batches"
+    world = len(next(iter(measured.values())))
+    wrong = 0
     for placement, ranks in measured.items():
         synced = [[k + 1 for k, on in enumerate(row) if on] for row in ranks]
         assert all(s == synced[0] for s in synced), f"{placement}: the ranks all-reduced at different micro-batches {synced}"
@@ -166,9 +180,17 @@ def check_no_sync(run_dir, predicted):
         assert guess is not None, f"no prediction yet for {placement!r}"
         assert isinstance(guess, (list, tuple, set)) and all(isinstance(k, int) for k in guess), \
             f"{placement}: say the micro-batches as a list of numbers, such as [1, 2], not {guess!r}"
-        assert sorted(guess) == synced[0], \
-            f"{placement}: you said micro-batches {sorted(guess)}, which is not what the run measured"
-    return f"all {len(measured)} placements as the run measured them on {len(ranks)} rank(s)"
+        said = (equal or {}).get(placement)
+        assert isinstance(said, bool), f"no True or False yet for the weights of {placement!r}"
+        wrong += sorted(guess) != synced[0]
+        if world > 1:        # one rank: its weights cannot differ from another's, nothing to predict
+            assert placement in agree, f"the run logged no weights for {placement!r}"
+            wrong += said != agree[placement]
+    assert not wrong, ("at least one answer differs from what the run measured; the checker does not say "
+                       "which. Go through each placement and micro-batch: where did its forward run? Then: "
+                       "did every rank end the window with the same gradient?")
+    return f"all {len(measured)} placements as the run measured them on {world} rank(s)" + (
+        "; at one rank the weights cannot differ, so they were not graded" if world == 1 else "")
 
 
 # -- pure-function exercises of 00-08: the learner's function on cases, no launch --------------
@@ -253,15 +275,28 @@ def check_dp_chunk_sizes(fn):
 
 def check_weights(fn):
     """02: fn(batch, n_devices) is each sample's weight in DataParallel's mean of per-device
-    means, as autograd finds it."""
+    means, as autograd finds it. The answer must predict them: asking autograd is refused."""
+    import inspect
     import torch
+    try:
+        text = inspect.getsource(fn)
+    except (OSError, TypeError):      # no source to read (a builtin): the no_grad run below still guards
+        text = ""
+    for word in ("backward", "autograd", "requires_grad", "enable_grad"):
+        assert word not in text, (f"your function uses {word}: the exercise is to predict each weight "
+                                  f"from DP's split, not to let autograd compute it")
     torch.manual_seed(0)
     for batch in range(1, 25):
         for n in range(1, 9):
             losses = torch.rand(batch, dtype=torch.float64, requires_grad=True)
             torch.stack([c.mean() for c in losses.chunk(n)]).mean().backward()   # DP's split, mean of means
             want = [round(w, 4) for w in losses.grad.tolist()]
-            got = fn(batch, n)
+            try:
+                with torch.no_grad():    # autograd off while your function runs
+                    got = fn(batch, n)
+            except RuntimeError as e:
+                raise AssertionError(f"batch {batch} on {n} devices: your function failed with autograd off "
+                                     f"({str(e).splitlines()[0]}): predict the weights, do not ask autograd") from None
             assert got is not None and len(got) == batch, \
                 f"batch {batch} on {n} devices: want one weight per sample, {want}; you said {got}"
             assert torch.allclose(torch.as_tensor(got, dtype=torch.float64), losses.grad), \

@@ -11,6 +11,7 @@ list of open figures (no double display in Jupyter, nothing to close), and a fig
 drawn off the main thread.
 """
 import io
+import math
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -90,11 +91,24 @@ def _thin(xs, ys, max_points):
     return [xs[i] for i in idx], [ys[i] for i in idx]
 
 
+def smooth_half(n, points=None):
+    """Half the window `smooth` uses on n points; 0: the curve stays as it is (under 40 points)."""
+    return (points or max(1, min(50, n // 20))) // 2
+
+
+def _log_if_wide(ax, metric, lines):
+    """A loss that spans 100x or more, all positive, goes on a log axis: a fall from 27 to
+    0.01, or a blow-up to 1e22, then shows every rank's line instead of a flat one."""
+    ys = [y for *_, line_ys, _ in lines for y in line_ys if y is not None and math.isfinite(y)]
+    wide = "loss" in metric and ys and min(ys) > 0 and max(ys) >= 100 * min(ys)
+    ax.set_yscale("log" if wide else "linear")
+
+
 def smooth(ys, points=None):
     """Centred moving mean over about 1/20 of the curve (at most 50 points; fewer at the
     ends), so a per-step curve of tiny batches shows its trend; short curves stay as they are."""
     n = len(ys)
-    half = (points or max(1, min(50, n // 20))) // 2
+    half = smooth_half(n, points)
     if half < 1:
         return list(ys)
     c = np.concatenate([[0.0], np.cumsum(np.asarray(ys, dtype=float))])
@@ -115,21 +129,23 @@ def draw_metric(ax, rows, metric, x="step", t0=None, ranks=True, mean=True, labe
     s = rows if isinstance(rows, Series) else Series(metric, x=x, t0=t0).add(rows)
     per_rank = s.per_rank
     rank_ids = sorted(per_rank, key=lambda r: (r is None, r if r is not None else 0))
-    sparse = max((len(v[0]) for v in per_rank.values()), default=0) < DENSE
+    longest = max((len(v[0]) for v in per_rank.values()), default=0)
+    sparse = longest < DENSE
+    smoothed = not sparse and smooth_half(longest) >= 1   # a 30-step curve is drawn as it is
     lines = []  # (key, label, xs, ys, kwargs)
     if ranks and (len(rank_ids) > 1 or not mean or not sparse):
         many = len(rank_ids) > MAX_RANK_LABELS
         for i, rank in enumerate(rank_ids):
             name = ("each rank" if i == 0 else None) if many else \
                 (f"rank {rank}" if rank is not None else "reduced")
-            if not sparse and mean:
+            if smoothed and mean:
                 name = f"{name}, raw" if name and len(rank_ids) > 1 else ("raw" if i == 0 else None)
-            lines.append((rank, name, *per_rank[rank],
-                          {"lw": 0.8, "alpha": 0.55 if sparse else 0.3}))
+            lines.append((rank, name, *per_rank[rank],                 # faint only under a smoothed mean
+                          {"lw": 0.8 if smoothed else 1.2, "alpha": 0.3 if smoothed else 0.7}))
     mx, my = s.mean() if mean else ([], [])
     if mx:
         name = label or ("mean over ranks" if len(rank_ids) > 1 else f"rank {rank_ids[0]}")
-        if not sparse:
+        if smoothed:
             my, name = smooth(my), f"{name}, smoothed"
         lines.append(("mean", name, mx, my,
                       {"lw": 1.8, "color": color or ("black" if ranks else None)}))
@@ -139,6 +155,7 @@ def draw_metric(ax, rows, metric, x="step", t0=None, ranks=True, mean=True, labe
         for line, (_, _, xs, ys, _) in zip(cache[1], lines):
             line.set_data(*_thin(xs, ys, max_points))
         ax.relim()
+        _log_if_wide(ax, metric, lines)
         ax.autoscale_view()
         return len(s)
     ax.clear()
@@ -148,6 +165,7 @@ def draw_metric(ax, rows, metric, x="step", t0=None, ranks=True, mean=True, labe
     ax._ddp_lesson_lines = (keys, artists)
     ax.set_xlabel(LABELS.get(x, x))
     ax.set_ylabel(LABELS.get(metric, metric))
+    _log_if_wide(ax, metric, lines)
     ax.grid(True, alpha=0.3)
     if lines:
         # "best" scans every drawn point: a few ms for 8 thinned lines of max_points. A rising

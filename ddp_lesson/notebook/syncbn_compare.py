@@ -54,13 +54,22 @@ def compare(panel, ref, options, timing, script="work/ddp_syncbn.py"):
     steps, loss = _losses(panel.run_dir)          # the mean over ranks, per step
 
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(6, 3.6))
-    ax = fig.subplots()
+    fig = Figure(figsize=(11, 3.6))
+    ax, gap = fig.subplots(1, 2)
     for label, r in others.items():
         ax.plot(range(1, len(r["loss"]) + 1), r["loss"], lw=1.8, label=label)
     ax.plot(steps, loss, lw=1.8, label=sync_label)
     ax.set_xlabel("step"); ax.set_ylabel("loss (mean over ranks)"); ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    # the curves overlap on the left: the right shows each DDP run's distance from the one process
+    one, plain = (r["loss"] for r in others.values())
+    for label, curve, colour in ((f"DDP {world}x{b}, BN", plain, "C1"), (sync_label, loss, "C2")):
+        n = min(len(one), len(curve))
+        gap.plot(range(1, n + 1), [max(abs(c - o), 1e-9) for c, o in zip(curve[:n], one[:n])],
+                 lw=1.5, color=colour, label=label)
+    gap.set_yscale("log"); gap.set_xlabel("step"); gap.grid(alpha=0.3)
+    gap.set_ylabel("|loss - 1 process's loss|"); gap.legend(fontsize="small")
+    gap.set_title("distance from the one process (1e-9: equal)", fontsize="medium")
     fig.tight_layout()   # room for the axis labels: without it "step" is clipped
     show(fig)
 

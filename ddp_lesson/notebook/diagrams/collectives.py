@@ -10,7 +10,8 @@ from matplotlib.figure import Figure
 
 from .shapes import DEVICE_COLOURS, arrow, box
 
-__all__ = ["all_reduce_before_after", "layers_to_buckets", "set_epoch_orders"]
+__all__ = ["all_reduce_before_after", "layers_to_buckets", "set_epoch_orders", "buffer_rule",
+           "buffer_rule_verdict"]
 
 BUCKET_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3",
                   "#8C8C8C", "#CCB974", "#64B5CD"]
@@ -163,5 +164,51 @@ def set_epoch_orders(orders, title="the index order each rank sees, epoch by epo
         y -= 0.8
     ax.set_xlim(-2.7, 0.6 * width + 0.2)
     ax.set_ylim(y + 0.3, 0.5)
+    fig.tight_layout()
+    return fig
+
+
+BUFFER_KINDS = {"train": ("training\nforward", DEVICE_COLOURS[0]),
+                "eval": ("evaluation\nno_grad", "#8C8C8C")}
+
+
+def buffer_rule_verdict(forwards):
+    """One line: does each forward's copy follow the buffer rule (the first forward, or one
+    after a training forward, copies), read from the measured `copied` or DDP's `decided`?"""
+    got = [f["copied"] if f.get("copied") is not None else f["decided"] for f in forwards]
+    want = [i == 0 or forwards[i - 1]["kind"] == "train" for i in range(len(forwards))]
+    if got == want:
+        return "each copy follows the forward before it: the first forward, or one after a training forward"
+    bad = [i + 1 for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    return f"forwards {bad} break the rule: copied {[g for g in got]}"
+
+
+def buffer_rule(forwards, title="which forwards start by copying rank 0's buffers"):
+    """`forwards`: one dict per forward, in order, as ddp_checks.py measured it: `kind`
+    ("train": gradients on, with backward; "eval": under torch.no_grad()), `copied` (the
+    ranks' buffers equal at the start of the module's forward; None on one rank) and `decided`
+    (DDP's will_sync_module_buffers() before it). A box per forward; a red "copy" tag above
+    each that started with the copy; an arrow from the forward that decided it."""
+    n = len(forwards)
+    fig = Figure(figsize=(1.2 + 1.15 * n, 2.7))
+    ax = fig.subplots()
+    ax.axis("off")
+    ax.set_title(title, fontsize=11)
+    ax.set_xlim(-0.3, 1.15 * n)
+    ax.set_ylim(-0.9, 2.3)
+    for i, f in enumerate(forwards):
+        label, colour = BUFFER_KINDS[f["kind"]]
+        x = 1.15 * i
+        box(ax, x, 0.0, 0.95, 0.9, f"{i + 1}\n{label}", colour, alpha=0.3, fontsize=8)
+        copied = f["copied"] if f.get("copied") is not None else f["decided"]
+        if copied:
+            box(ax, x + 0.15, 1.25, 0.65, 0.45, "copy", "#C44E52", alpha=0.55, fontsize=8)
+            src = "first" if i == 0 else "after training"
+            ax.text(x + 0.475, 1.9, src, ha="center", fontsize=7)
+        else:
+            ax.text(x + 0.475, 1.45, "no copy", ha="center", fontsize=8, color="#555555")
+        if i:
+            arrow(ax, x - 0.2, 0.45, x - 0.02, 0.45, colour="#555555")
+    ax.text(1.15 * n / 2 - 0.2, -0.55, buffer_rule_verdict(forwards), ha="center", fontsize=9)
     fig.tight_layout()
     return fig

@@ -92,6 +92,40 @@ def buffers_broadcast(device, ids, rank, world, sync, no_grad_before_last=False)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+BUFFER_FORWARDS = ["train"] * 3 + ["eval"] * 3 + ["train"] * 2   # training, an evaluation, training again
+
+
+def buffer_copies(device, ids, rank, world):
+    """The buffer rule, forward by forward: before each forward every rank sets its BatchNorm
+    running mean to its own rank; at the start of BN's forward, after DDP's copy if any, the
+    ranks compare it. Equal on every rank: rank 0's buffers were copied. Also logs DDP's own
+    decision, will_sync_module_buffers(), read before each forward (one rank has nothing to
+    compare, so there only the decision is known)."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4).to(device)
+    seen = []
+    bn.register_forward_pre_hook(lambda m, inp: seen.append(m.running_mean.clone()))
+    model = DDP(nn.Sequential(bn), device_ids=ids)   # forward_sync_buffers=True, the default
+    out = []
+    for kind in BUFFER_FORWARDS:
+        with torch.no_grad():
+            bn.running_mean.fill_(float(rank))            # a different buffer on every rank
+        decided = model.will_sync_module_buffers()        # DDP's decision for this forward
+        x = torch.randn(8, 4, device=device)
+        if kind == "eval":
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+        else:
+            model(x).sum().backward()
+        gathered = [torch.zeros_like(seen[-1]) for _ in range(world)]
+        dist.all_gather(gathered, seen[-1])
+        copied = all(torch.equal(g, gathered[0]) for g in gathered) if world > 1 else None
+        out.append({"kind": kind, "decided": decided, "copied": copied})
+    return out
+
+
 def map_location(device, rank):
     path = metrics.run_dir() / "ddp_checks_ckpt.pt"
     if rank == 0:
@@ -115,6 +149,7 @@ def check(device, ids):
         "buffers_equal_after_no_grad_forward": buffers_broadcast(device, ids, rank, world, True,
                                                                  no_grad_before_last=True),
         "map_location": map_location(device, rank),
+        "buffer_copies": buffer_copies(device, ids, rank, world),
     }
     results = [None] * world
     dist.all_gather_object(results, result)

@@ -5,6 +5,7 @@ Runs one accumulation window of K = 4 micro-batches for each of four placements 
 model.no_sync(), each on a fresh DDP model. A communication hook counts the all-reduces DDP
 launches, and every micro-batch logs how many its forward and backward caused
 (`all_reduces`), so the notebook can read, per placement, which micro-batches all-reduced.
+After each placement's optimizer step it logs how far apart the ranks' weights are.
 """
 import contextlib
 import os
@@ -79,6 +80,11 @@ def run_placements(device, device_ids=None):
                         all_reduces=count.calls - before)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        flat = torch.cat([q.detach().flatten() for q in model.parameters()])
+        hi, lo = flat.clone(), flat.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)  # the ranks' largest and smallest value of each weight
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        metrics.log(step, placement=placement, weights_spread=(hi - lo).max().item())  # 0: equal weights
 
 
 @record
