@@ -12,11 +12,10 @@ diagnosis: it hangs.
 import signal
 import sys
 
-import psutil
 import pytest
 
 from conftest import wait_until
-from ddp_lesson import launch, runs, stacks
+from ddp_lesson import launch, procs, runs, stacks
 from ddp_lesson.rank.bundled import script as lesson_script
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGUSR1 stacks need Linux"),
@@ -56,7 +55,7 @@ def where_now(run, nproc, said):
     reached = wait_until(lambda: run.done() or all(said[r] in runs.log_tail(run.run_dir, rank=r)
                                                    for r in range(nproc)), 120)
     assert reached and not run.done(), (run.result, [runs.log_tail(run.run_dir, rank=r) for r in range(nproc)])
-    ranks = psutil.Process(run.pid).children()
+    ranks = procs.ranks(run.run_dir)   # from their pid files: a warm rank is not the agent's child
     assert len(ranks) == nproc, ranks
     for p in ranks:
         p.send_signal(signal.SIGUSR1)
