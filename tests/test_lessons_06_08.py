@@ -126,7 +126,8 @@ def test_07_first_failure_checker_takes_the_spec_and_rejects_wrong_answers():
     assert check_first_failure(right, crashed, timed_out) and check_first_failure(right, crashed, no_key)
     for wrong in (lambda r: None, lambda r: (0, "rank 0 failed"),
                   lambda r: (r["failure"]["rank"], r["failure"]["message"]) if r.get("failure") else None,   # two lines
-                  lambda r: (r.get("failure") or {}).get("rank"), ):
+                  lambda r: (r.get("failure") or {}).get("rank"),
+                  lambda r: (r["failure"]["rank"], "error: " + r["failure"]["message"].splitlines()[0]) if r.get("failure") else None):
         with pytest.raises((AssertionError, TypeError)):
             check_first_failure(wrong, crashed, timed_out)
 
