@@ -10,6 +10,7 @@ JSON; notebook 06 prints bench/reference/scaling_cpu.json beside the learner's r
     python bench/scaling.py --cpu --quick --nprocs 1,2,4 --save bench/reference/scaling_cpu.json
 """
 import argparse
+import sys
 import time
 
 from ddp_lesson import scaling
@@ -31,7 +32,7 @@ def main(argv=None):
     rows = scaling.measure(nprocs, quick=a.quick, cpu=a.cpu, samples=a.samples)
     scaling.report(rows)
     if a.save:
-        prov = scaling.provenance(start, argv=["bench/scaling.py"] + list(argv or __import__("sys").argv[1:]))
+        prov = scaling.provenance(start, argv=["bench/scaling.py"] + list(sys.argv[1:] if argv is None else argv))
         scaling.save_reference(a.save, rows, prov)
         print(f"saved to {a.save}:", scaling.describe_provenance(prov))
     print(f"{time.perf_counter() - t:.1f} s in all (timings on a shared machine are noisy)")

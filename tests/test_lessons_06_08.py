@@ -326,3 +326,20 @@ def test_07_guarded_tree_check_needs_each_rank_and_one_agent(ranks, agents, ok):
     else:
         with pytest.raises(AssertionError):
             run_cell(NOTEBOOKS[1], "e9188690", ns)
+
+
+def test_06_reference_file_keeps_its_provenance_and_is_reread_by_todays_code(tmp_path):
+    """bench/scaling.py --save: rows and where/when/under what load; 06 prints both. The shipped
+    file says whether the machine was crowded (its load average against its cores)."""
+    from ddp_lesson import scaling
+    start = scaling.provenance()
+    prov = scaling.provenance(start, argv=["bench/scaling.py", "--cpu"])
+    assert {"date", "cores", "cpu_model", "load_start", "load_end", "torch", "command"} <= set(prov)
+    scaling.save_reference(tmp_path / "ref.json", _idle_rows(), prov)
+    rows, again = scaling.load_reference(tmp_path / "ref.json")
+    assert again == prov and [r["nproc"] for r in rows] == [1, 2] and "pred_speedup" in rows[1]
+    crowded = dict(prov, cores=2, load_start=9.0, load_end=3.0)
+    assert "crowded" in scaling.describe_provenance(crowded)
+    assert "quiet" in scaling.describe_provenance(dict(prov, cores=2, load_start=1.0, load_end=1.5))
+    shipped, shipped_prov = scaling.load_reference()
+    assert [r["nproc"] for r in shipped] == [1, 2, 4] and shipped_prov["command"].endswith("--save bench/reference/scaling_cpu.json")
