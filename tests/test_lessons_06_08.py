@@ -94,6 +94,10 @@ def test_06_scaling_check_fails_a_planted_bug(plant, words):
     from ddp_lesson import scaling
     rows = _rows(cpu=(0.008, 0.008, 0.016) if plant == "work grew with n" else (0.008,) * 3,
                  share=(1.0, 0.95, 0.95) if plant == "oversubscribed unseen" else (1.0, 0.95, 0.45))
+    if plant == "oversubscribed unseen":   # and every DDP step ran on a core the whole time
+        for r in rows:
+            r["step_cpu_s"] = r["step_s"]
+        rows = scaling.analyse(rows)
     if plant == "nonsense model":
         for r in rows:
             r["pred_speedup"] = float(r["nproc"])
@@ -122,7 +126,8 @@ def test_07_first_failure_checker_takes_the_spec_and_rejects_wrong_answers():
     assert check_first_failure(right, crashed, timed_out) and check_first_failure(right, crashed, no_key)
     for wrong in (lambda r: None, lambda r: (0, "rank 0 failed"),
                   lambda r: (r["failure"]["rank"], r["failure"]["message"]) if r.get("failure") else None,   # two lines
-                  lambda r: (r.get("failure") or {}).get("rank"), ):
+                  lambda r: (r.get("failure") or {}).get("rank"),
+                  lambda r: (r["failure"]["rank"], "error: " + r["failure"]["message"].splitlines()[0]) if r.get("failure") else None):
         with pytest.raises((AssertionError, TypeError)):
             check_first_failure(wrong, crashed, timed_out)
 
@@ -174,3 +179,167 @@ def test_06_to_08_have_few_long_sentences_and_no_nested_parentheses():
         nested += [(name, i, s[:100]) for i, s in ns]
     assert not nested, nested
     assert len(long) <= 10, "\n".join(map(str, long))
+
+
+# -- the asserts changed for the reviews of issue 43, each run on planted data --
+def run_cell(name, cid, ns):
+    """Execute one notebook cell's source in the namespace ns (planted values for its names)."""
+    src = "".join(next(c for c in cells(name) if c.get("id") == cid)["source"])
+    exec(compile(src, f"{name}:{cid}", "exec"), ns)
+    return ns
+
+
+def _idle_rows(speedup2=1.8, model2=None, step_cpu2=None):
+    """1 and 2 ranks on an idle 2-core machine: each rank a core of its own, all-reduce small."""
+    from ddp_lesson import scaling
+    rows = []
+    for n in (1, 2):
+        step = 0.008 if n == 1 else 2 * 0.008 / speedup2
+        rows.append({"nproc": n, "steps": 128 // n, "step_s": step, "compute_s": 0.0075, "compute_max_s": 0.0075,
+                     "allreduce_s": 0.0003, "compute_cpu_s": 0.0075, "cpu_share": 1.0,
+                     "step_cpu_s": step if step_cpu2 is None or n == 1 else step_cpu2})
+    rows = scaling.analyse(rows)
+    if model2 is not None:
+        rows[1]["pred_speedup"] = model2
+    return rows
+
+
+def test_06_wall_checks_run_per_launch_on_an_idle_two_core_machine():
+    from ddp_lesson import scaling
+    assert scaling.wall_checks(_idle_rows(), cores=2) == [1, 2]           # 1 and 2 ranks are checked
+    assert scaling.wall_checks(_rows(), cores=2) == [1, 2]                # 4 ranks on 2 cores: contended, skipped
+
+
+@pytest.mark.parametrize("plant, words", [
+    ("model says n", "the model says"),            # a nonsense model, n times faster, on an idle machine
+    ("2 ranks slower", "not faster than one"),     # two ranks on two idle cores, slower than one
+])
+def test_06_wall_checks_fail_a_planted_bug(plant, words):
+    from ddp_lesson import scaling
+    rows = _idle_rows(speedup2=1.15, model2=2.0) if plant == "model says n" else _idle_rows(speedup2=0.9)
+    if plant == "2 ranks slower":
+        rows[1]["pred_speedup"] = rows[1]["speedup"]      # the model agrees; the speed-up itself is wrong
+    with pytest.raises(AssertionError, match=words):
+        scaling.wall_checks(rows, cores=2)
+
+
+def test_06_a_launch_whose_ranks_waited_in_the_ddp_steps_is_contended_and_not_checked():
+    """The 2-rank launch computed on a core of its own but ran 60% of its DDP steps' wall time:
+    contended, so its wall clock (a bad speed-up here) is not checked."""
+    from ddp_lesson import scaling
+    rows = _idle_rows(speedup2=0.9, step_cpu2=0.6 * 2 * 0.008 / 0.9)
+    assert rows[1]["contended"] and scaling.wall_checks(rows, cores=2) == [1]
+
+
+def test_06_one_bucket_check_fails_for_a_model_with_two_buckets():
+    """06 asserts SmallCNN's gradients form one bucket, with DDP's own assignment; a model with
+    more than the first bucket's 1 MiB of gradients gets two, so the same assert would fail."""
+    import torch
+    import torch.distributed as dist
+    from ddp_lesson import models
+    caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024]
+    for model, want in ((models.SmallCNN(), 1), (torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.Linear(512, 1024)), 2)):
+        params = list(model.parameters())
+        assert len(dist._compute_bucket_assignment_by_size(params, caps, [False] * len(params))[0]) == want
+
+
+@pytest.mark.parametrize("workers_overlap", [True, False])
+def test_06_loading_check_fails_when_workers_do_not_overlap_waiting(workers_overlap):
+    cost = 96 * 0.008
+    wait4 = cost / 3.2 if workers_overlap else cost * 0.9
+    loading = {("wait", 0): (cost, 0.01), ("wait", 2): (cost / 1.9, 0.01), ("wait", 4): (wait4, 0.01),
+               ("cpu", 0): (cost, cost), ("cpu", 2): (cost / 1.8, cost), ("cpu", 4): (cost / 1.8, cost)}
+    ns = {"loading": loading, "CORES": 2, "CROWDED": False}
+    if workers_overlap:
+        run_cell(NOTEBOOKS[0], "9d7e9974", ns)
+    else:
+        with pytest.raises(AssertionError):
+            run_cell(NOTEBOOKS[0], "9d7e9974", ns)
+
+
+def _hang_ns(tmp_path, where):
+    """Planted names for 07's hang checks: the learner's hang.py, the run, the launcher's reading."""
+    from types import SimpleNamespace
+    lines = "".join(next(c for c in cells(NOTEBOOKS[1]) if c.get("id") == "18759a6c")["source"]).splitlines()[1:]
+    said = {0: "rank 0: first all_reduce done\nrank 0: waiting in the second all_reduce...", 1: "rank 1: first all_reduce done"}
+    return {"HANG_LINES": lines, "res": {"status": "timeout", "message": "... the ranks may have called different collectives."},
+            "hang": SimpleNamespace(run_dir=tmp_path),
+            "runs": SimpleNamespace(log_tail=lambda d, rank: said[rank]),
+            "procs": SimpleNamespace(run_processes=lambda d: []),
+            "stacks": SimpleNamespace(where=lambda d, n: where)}
+
+
+def _line(lines, text, last=False):
+    found = [i for i, l in enumerate(lines, 1) if l.strip() == text]
+    return found[-1] if last else found[0]
+
+
+@pytest.mark.parametrize("plant", [None, "rank 1 in the all_reduce", "rank 0 at the first all_reduce"])
+def test_07_hang_diagnosis_is_checked_rank_by_rank(plant, tmp_path):
+    ns = _hang_ns(tmp_path, {})
+    lines = ns["HANG_LINES"]
+    second, first, barrier = (_line(lines, "dist.all_reduce(grad)", last=True),
+                              next(i for i, l in enumerate(lines, 1) if l.strip().startswith("dist.all_reduce(grad)")),
+                              _line(lines, "dist.barrier()"))
+    where = {0: {"call": "all_reduce", "at": f"hang.py line {first if plant == 'rank 0 at the first all_reduce' else second}"},
+             1: {"call": "all_reduce", "at": f"hang.py line {second}"} if plant == "rank 1 in the all_reduce"
+             else {"call": "barrier", "at": f"script.py line {barrier}"}}
+    ns["stacks"].where = lambda d, n: where
+    if plant is None:
+        run_cell(NOTEBOOKS[1], "e23ba683", ns)
+    else:
+        with pytest.raises(AssertionError):
+            run_cell(NOTEBOOKS[1], "e23ba683", ns)
+
+
+def test_07_variable_check_fails_if_variable_kept_the_graph(monkeypatch):
+    import torch
+    import torch.autograd
+    run_cell(NOTEBOOKS[1], "ba3bd817", {"torch": torch})
+    monkeypatch.setattr(torch.autograd, "Variable", lambda x: x)      # a no-op: the statement the review found false
+    with pytest.raises(AssertionError):
+        run_cell(NOTEBOOKS[1], "ba3bd817", {"torch": torch})
+
+
+@pytest.mark.parametrize("stamps, torchrun_rank, ok", [
+    (("2026-12-07_15:30:51", "2026-12-07_15:30:51"), 0, True),     # a tie within one second: rank 0 named
+    (("2026-12-07_15:30:51", "2026-12-07_15:30:52"), 0, False),    # rank 0 named although rank 1 failed a second earlier
+    (("2026-12-07_15:30:51", "2026-12-07_15:30:52"), 1, True),     # the launcher's rank, named
+])
+def test_07_torchruns_root_cause_differs_only_on_a_tie(stamps, torchrun_rank, ok):
+    log = "Failures:\n[1]:\n  time      : %s\n  rank      : 0\nRoot Cause (first observed failure):\n[0]:\n  time      : %s\n  rank      : 1\n" % stamps
+    ns = {"torchrun_rank": torchrun_rank, "f": {"rank": 1}, "summary": log[log.find("Root Cause"):], "agent_log": log}
+    if ok:
+        run_cell(NOTEBOOKS[1], "40e98751", ns)
+    else:
+        with pytest.raises(AssertionError):
+            run_cell(NOTEBOOKS[1], "40e98751", ns)
+
+
+@pytest.mark.parametrize("ranks, agents, ok", [([0, 1], 1, True), ([0], 1, False), ([0, 1], 0, False)])
+def test_07_guarded_tree_check_needs_each_rank_and_one_agent(ranks, agents, ok):
+    from types import SimpleNamespace
+    ns = {"rank_of": {100 + r: r for r in ranks}, "agents": ["agent"] * agents, "left": [],
+          "forced": SimpleNamespace(config={"nproc": 2})}
+    if ok:
+        run_cell(NOTEBOOKS[1], "e9188690", ns)
+    else:
+        with pytest.raises(AssertionError):
+            run_cell(NOTEBOOKS[1], "e9188690", ns)
+
+
+def test_06_reference_file_keeps_its_provenance_and_is_reread_by_todays_code(tmp_path):
+    """bench/scaling.py --save: rows and where/when/under what load; 06 prints both. The shipped
+    file says whether the machine was crowded (its load average against its cores)."""
+    from ddp_lesson import scaling
+    start = scaling.provenance()
+    prov = scaling.provenance(start, argv=["bench/scaling.py", "--cpu"])
+    assert {"date", "cores", "cpu_model", "load_start", "load_end", "torch", "command"} <= set(prov)
+    scaling.save_reference(tmp_path / "ref.json", _idle_rows(), prov)
+    rows, again = scaling.load_reference(tmp_path / "ref.json")
+    assert again == prov and [r["nproc"] for r in rows] == [1, 2] and "pred_speedup" in rows[1]
+    crowded = dict(prov, cores=2, load_start=9.0, load_end=3.0)
+    assert "crowded" in scaling.describe_provenance(crowded)
+    assert "quiet" in scaling.describe_provenance(dict(prov, cores=2, load_start=1.0, load_end=1.5))
+    shipped, shipped_prov = scaling.load_reference()
+    assert [r["nproc"] for r in shipped] == [1, 2, 4] and shipped_prov["command"].endswith("--save bench/reference/scaling_cpu.json")

@@ -13,15 +13,22 @@ a fixed per-rank batch, so an epoch of the same data takes 1/n of the steps on n
 - step_s     epoch_s / steps, a full DDP step.
 - compute_cpu_s, step_cpu_s  the CPU seconds of those steps, which a crowded machine does not
              stretch; cpu_share = compute_cpu_s / compute_s, the least share of a core any rank
-             got while computing (below CONTENDED: the ranks waited for cores).
-Model:  step(n) = compute_max(n) + allreduce(n)  (no overlap assumed, so an upper bound),
+             got while computing; step_share = step_cpu_s / step_s, the same in the DDP steps
+             (either below CONTENDED: the ranks waited, for cores or for each other: contended).
+Model:  step(n) = compute_max(n) + allreduce(n) + ddp(n)  (no overlap: SmallCNN's gradients form one
+        bucket, reduced after the whole backward; ddp = DDP's own CPU work per step, see ddp_own),
         compute_max = per step, the slowest rank's compute (every rank waits for it);
         speed-up(n) = n * step(1) / step(n)   (each rank does 1/n of the steps).
 The measured speed-up uses the median step of the real epoch the same way.
 On CPU each rank is given one thread (one rank = one core, like one GPU), so 4 ranks on 2
 cores are oversubscribed: compute(n) grows, and the model sees it because it is measured.
 """
+import datetime
+import json
+import os
+import platform
 import sys
+from pathlib import Path
 
 from . import devices, launch, runs
 from ..rank.bundled import script
@@ -70,6 +77,14 @@ def run_one(nproc, quick=True, cpu=False, samples=None, batch_size=64, run_dir=N
     return row
 
 
+def ddp_own(r):
+    """DDP's own work per step, in CPU seconds: a DDP step's CPU time beyond the no_sync step's
+    and the all-reduce's (hooks, copying gradients into the bucket). Measured by the CPU clock, so
+    the other people on the machine barely change it; gloo waits for a peer without burning CPU."""
+    comm = r["allreduce_s"] if r["nproc"] > 1 else 0.0
+    return max(0.0, r["step_cpu_s"] - r["compute_cpu_s"] - comm)
+
+
 def analyse(rows):
     """Add speedup, efficiency, predicted step/speed-up, compute share (utilisation)."""
     base = next(r for r in rows if r["nproc"] == 1)
@@ -81,13 +96,17 @@ def analyse(rows):
         r["speedup"] = base["epoch_est_s"] / r["epoch_est_s"]
         r["efficiency"] = r["speedup"] / n
         comm = r["allreduce_s"] if n > 1 else 0.0
-        r["pred_step_s"] = r["compute_max_s"] + comm  # the slowest rank's compute, then the all-reduce
+        r["ddp_s"] = ddp_own(r)
+        r["pred_step_s"] = r["compute_max_s"] + comm + r["ddp_s"]  # the slowest rank's compute, the all-reduce, DDP's own work
     for r in rows:  # the model's speed-up: n * step(1) / step(n), with step = compute + all-reduce
         r["pred_speedup"] = r["nproc"] * base["pred_step_s"] / r["pred_step_s"]
         r["naive_speedup"] = float(r["nproc"])
         r["utilisation"] = min(1.0, r["compute_s"] / r["step_s"])  # busy fraction of a step
         r["cpu_ratio"] = r["compute_cpu_s"] / base["compute_cpu_s"]  # CPU work per step, vs 1 rank
-        r["contended"] = r["cpu_share"] < CONTENDED
+        # the DDP steps of the epoch too: a rank that ran only part of its step's wall time waited,
+        # for a core or for a rank that waited for one (gloo's all-reduce blocks, it does not spin)
+        r["step_share"] = min(1.0, r["step_cpu_s"] / r["step_s"])
+        r["contended"] = min(r["cpu_share"], r["step_share"]) < CONTENDED
     return rows
 
 
@@ -101,28 +120,31 @@ def measure(nprocs=None, quick=True, cpu=False, samples=None, batch_size=64, ext
                             extras=(n == extras_at)) for n in nprocs])
 
 
-def report(rows, out=sys.stdout):
+def report(rows, out=sys.stdout, ratios=True):
     blogs = blog_speedups()
     dev = rows[0]["device"]
     print(f"SmallCNN on shapes, {rows[0]['backend']} ({dev}), per-rank batch fixed:", file=out)
-    print(f"{'ranks':>5} {'s/epoch':>8} {'speed-up':>8} {'effic.':>7} {'compute':>9} {'allreduce':>9} "
+    print(f"{'ranks':>5} {'s/epoch':>8} {'speed-up':>8} {'effic.':>7} {'compute':>9} {'allreduce':>9} {'DDP':>7} "
           f"{'step':>8} {'model':>7} {'WZ V100':>8} {'2x3090':>7}", file=out)
     for r in rows:
         n = r["nproc"]
         wz = blogs["wz_v100"].get(n)
         g = blogs["3090"].get(n)
         print(f"{n:>5} {r['epoch_est_s']:8.2f} {r['speedup']:7.2f}x {r['efficiency']:6.0%} "
-              f"{r['compute_s'] * 1e3:7.1f}ms {r['allreduce_s'] * 1e3 if n > 1 else 0:7.1f}ms "
-              f"{r['step_s'] * 1e3:6.1f}ms {r['pred_speedup']:6.2f}x "
+              f"{r['compute_max_s'] * 1e3:7.1f}ms {r['allreduce_s'] * 1e3 if n > 1 else 0:7.1f}ms "
+              f"{r['ddp_s'] * 1e3:5.1f}ms {r['step_s'] * 1e3:6.1f}ms {r['pred_speedup']:6.2f}x "
               f"{(f'{wz:.2f}x' if wz else '-'):>8} {(f'{g:.3f}x' if g else '-'):>7}", file=out)
-    for r in rows[1:]:
+    print("compute: the slowest rank's step with the all-reduce off (median over steps); DDP: DDP's own CPU work\n"
+          "per step beyond compute and all-reduce; model: the speed-up that compute + all-reduce + DDP predict", file=out)
+    for r in rows[1:] if ratios else []:
         err = abs(r["pred_speedup"] - r["speedup"]) / r["speedup"]
         print(f"ratio: {r['nproc']} ranks: measured/predicted speed-up = {r['speedup'] / r['pred_speedup']:.2f} "
               f"(model error {err:.0%}); compute with {r['nproc']} ranks / with 1 = "
-              f"{r['compute_s'] / rows[0]['compute_s']:.2f}x", file=out)
+              f"{r['compute_max_s'] / rows[0]['compute_max_s']:.2f}x", file=out)
     for r in rows:
         print(f"CPU: {r['nproc']} rank(s): {r['compute_cpu_s'] * 1e3:.1f} ms of CPU per compute step "
-              f"({r['cpu_ratio']:.2f}x 1 rank's), {r['cpu_share']:.0%} of a core while computing"
+              f"({r['cpu_ratio']:.2f}x 1 rank's), {r['cpu_share']:.0%} of a core while computing, "
+              f"{r['step_share']:.0%} in the DDP steps"
               + (": contended, the ranks waited for cores" if r["contended"] else ""), file=out)
 
 
@@ -145,8 +167,103 @@ def check(rows, cores):
             f"{base['compute_cpu_s'] * 1e3:.1f} ms on 1 rank: the work per rank per step changed")
         if n > cores:
             assert r["contended"], f"{n} ranks on {cores} cores, yet each got {r['cpu_share']:.0%} of a core"
-        parts = lambda x: x["compute_max_s"] + (x["allreduce_s"] if x["nproc"] > 1 else 0.0)
+        parts = lambda x: x["compute_max_s"] + (x["allreduce_s"] if x["nproc"] > 1 else 0.0) + ddp_own(x)
         want = n * parts(base) / parts(r)
         assert abs(r["pred_speedup"] - want) <= 1e-9 * want, (
             f"{n} ranks: the model says {r['pred_speedup']:.2f}x, its measured parts give {want:.2f}x")
     return [r["nproc"] for r in rows if r["contended"]]
+
+
+WALL_TOL = 0.50   # a 2-core machine is noisy even when quiet; "n times faster" misses by far more where scaling is poor
+
+
+def wall_checks(rows, cores, tol=WALL_TOL):
+    """Notebook 06's wall-clock checks, launch by launch: only a launch whose ranks each had a
+    core to itself (not contended) is checked, and a speed-up only where the 1-rank launch was
+    not contended either. Returns the checked rank counts. For each checked launch:
+    - n > 1: the model's speed-up is within `tol` of the measured one, and a nonsense model
+      ("n ranks are n times faster") would miss where the efficiency is below 1 - tol;
+    - n ranks on at least n cores, n > 1: faster than one rank.
+    """
+    by_n = {r["nproc"]: r for r in rows}
+    checked = []
+    for r in rows:
+        n = r["nproc"]
+        if r["contended"] or (n > 1 and by_n[1]["contended"]):
+            continue
+        if n > 1:
+            assert abs(r["pred_speedup"] - r["speedup"]) / r["speedup"] < tol, (
+                f"{n} ranks: the model says {r['pred_speedup']:.2f}x, measured {r['speedup']:.2f}x")
+            if r["efficiency"] < 1 - tol:
+                assert abs(n - r["speedup"]) / r["speedup"] > tol
+            if n <= cores:
+                assert r["speedup"] > 1.1, f"{n} ranks on {cores} cores: {r['speedup']:.2f}x, not faster than one"
+        checked.append(n)
+    return checked
+
+
+def contention_note(rows):
+    """One sentence from the run: which launches are contended noise, and what to read instead."""
+    bad = [r["nproc"] for r in rows if r["contended"]]
+    if not bad:
+        return "every rank had a core to itself: your wall-clock numbers are measurements; the reference below is a second run to compare with."
+    return (f"contended at {bad} rank(s): those ranks waited for a core, so their wall-clock columns "
+            "(s/epoch, speed-up, compute, step, model) are mostly your neighbours' noise; "
+            "read the reference figures below for the shape of the curve.")
+
+
+# -- reference figures: a measurement saved with where and when it was made (bench/scaling.py --save) --
+REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "reference" / "scaling_cpu.json"
+KEEP = ("nproc", "steps", "step_s", "epoch_est_s", "speedup", "efficiency", "compute_s", "compute_max_s",
+        "allreduce_s", "ddp_s", "pred_step_s", "pred_speedup", "compute_cpu_s", "step_cpu_s", "cpu_share", "cpu_ratio", "step_share",
+        "utilisation", "contended", "device", "backend")
+
+
+def _cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(start=None, argv=None):
+    """Where and when: called before a measurement (returns the start) and after it (adds the end)."""
+    import torch
+    now = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "load": round(os.getloadavg()[0], 2)}
+    if start is None:
+        return now
+    return {"date": start["date"], "cores": devices.cpu_count(), "cpu_model": _cpu_model(),
+            "load_start": start["load"], "load_end": now["load"], "torch": torch.__version__,
+            "command": " ".join(map(str, argv or []))}
+
+
+def save_reference(path, rows, prov):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"provenance": prov, "rows": [{k: r[k] for k in KEEP if k in r} for r in rows]},
+                                     indent=1) + "\n")
+
+
+def load_reference(path=REFERENCE):
+    d = json.loads(Path(path).read_text())
+    return analyse(d["rows"]), d["provenance"]   # the derived columns recomputed by today's code
+
+
+def describe_provenance(p):
+    quiet = max(p["load_start"], p["load_end"]) <= p["cores"]
+    return (f"measured {p['date']} on {p['cores']} cores ({p['cpu_model']}), torch {p['torch']}, "
+            f"load average {p['load_start']} at the start and {p['load_end']} at the end: "
+            + ("a quiet machine" if quiet else f"a crowded machine, more runnable processes than its {p['cores']} cores"))
+
+
+def side_by_side(mine, ref, out=sys.stdout):
+    """The learner's speed-ups beside the reference's, rank count by rank count."""
+    ref_by_n = {r["nproc"]: r for r in ref}
+    print(f"{'ranks':>5} {'yours':>8} {'reference':>10}  reference's least share of a core", file=out)
+    for r in mine:
+        f = ref_by_n.get(r["nproc"])
+        print(f"{r['nproc']:>5} {r['speedup']:7.2f}x "
+              + (f"{f['speedup']:9.2f}x  {min(f['cpu_share'], f['step_share']):.0%}" + (", contended" if f["contended"] else "") if f else f"{'-':>10}"), file=out)

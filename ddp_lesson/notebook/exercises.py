@@ -357,8 +357,8 @@ def check_first_failure(fn, crashed, hung):
     got = fn(crashed)
     assert got is not None and got[0] == crashed["failure"]["rank"], \
         f"got {got!r}: the root cause is rank {crashed['failure']['rank']}'s failure"
-    assert crashed["failure"]["message"].splitlines()[0] in got[1] and "\n" not in got[1], \
-        f"got {got!r}: the message's first line, one line"
+    assert got[1].strip() == crashed["failure"]["message"].splitlines()[0].strip(), \
+        f"got {got!r}: the message's first line, exactly that line"
     assert fn(hung) is None, f"for a run that ended {hung.get('status')} it said {fn(hung)!r}, not None"
     return True
 

@@ -94,6 +94,6 @@ def report(rows, out=sys.stdout):
     by = {r["config"]: r for r in rows}
     small, big = by["bucket_cap_mb=0.25"], by["bucket_cap_mb=100"]
     print(f"ratio: buckets at 0.25 MB / at 100 MB = {small['buckets_per_step']:.0f} / {big['buckets_per_step']:.0f}; "
-          f"step time {small['step_s'] / big['step_s']:.2f}x", file=out)
+          f"step time {small['step_s'] / big['step_s']:.2f}x (on a shared machine: noise unless a rerun repeats it)", file=out)
     print(f"ratio: grad storages without / with gradient_as_bucket_view = "
           f"{r0['grad_storages']} / {by['gradient_as_bucket_view=True']['grad_storages']}", file=out)
