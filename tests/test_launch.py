@@ -30,10 +30,13 @@ of its runs behind. Failures printed by the command line (`run` exit codes) are 
 import json
 import os
 from dataclasses import replace
+from pathlib import Path
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -355,8 +358,9 @@ time.sleep(600)
 def test_killed_launcher_leaves_nothing_behind(tmp_run_dir, tmp_path):
     """A Jupyter kernel restart SIGKILLs the kernel; nothing forwards it to torchrun."""
     out = open(tmp_path / "launcher.out", "w+")
-    tmp = tmp_path / "tmp"   # the launcher's temporary folder: its warm processes' folders go there
-    tmp.mkdir()
+    # the launcher's temporary folder, where its warm processes' folders go: short, since a Unix
+    # socket's path holds at most 107 bytes
+    tmp = Path(tempfile.mkdtemp(prefix="kl-"))
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(SCRIPTS / "sleeper.py"),
                                  str(tmp_run_dir)], env=dict(child_env(), TMPDIR=str(tmp)), stdout=out,
                                 stderr=subprocess.STDOUT, cwd=tmp_path)
@@ -384,6 +388,7 @@ def test_killed_launcher_leaves_nothing_behind(tmp_run_dir, tmp_path):
     assert result["status"] == "interrupted" and result["message"] == rundir.ORPHANED, result
     # a stopped server or a killed kernel leaves no warm process's folder (its socket) behind
     assert wait_until(lambda: not list(tmp.glob("ddp-lesson-warm-*")), 10), list(tmp.iterdir())
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- failures --------------------------------------------------------------------------------
