@@ -40,6 +40,11 @@ def cases(tmp_path_factory):
              "waiting": exercises.bucketed_solution(base / "bucketed_waiting.py", waiting=True),
              "late": exercises.bucketed_solution(base / "bucketed_late.py", late=True),
              "keep_ready": exercises.bucketed_solution(base / "bucketed_keep_ready.py", keep_ready=True)}
+    no_divide = base / "bucketed_no_divide.py"   # all-reduced, but the sum kept: not averaged over ranks
+    text = good.read_text()
+    assert text.count("            self.flat[i] /= dist.get_world_size()\n") == 1
+    no_divide.write_text(text.replace("            self.flat[i] /= dist.get_world_size()\n", ""))
+    files["no_divide"] = no_divide
     run = launch.start(CASES, nproc=WORLD, cpu=True, run_dir=base / "cases", timeout=600,
                        args=["--steps", STEPS, "--bucket-kb", 8,
                              *[a for name, path in files.items() for a in ("--bucketed", f"{name}={path}")]])
@@ -90,7 +95,9 @@ def test_exercise_checker_accepts_solution_rejects_starter_one_bucket_and_blocki
     ok, why = exercises.check_bucketed(cases["bucketed"]["solution"])
     assert ok, why
     ok, why = exercises.check_bucketed(cases["bucketed"]["starter"])
-    assert not ok and "weights differ" in why, why
+    assert not ok and "weights differ" in why and "no all_reduce was called" in why, why
+    ok, why = exercises.check_bucketed(cases["bucketed"]["no_divide"])   # summed, never averaged
+    assert not ok and "weights differ" in why and "divide the summed bucket by the world size" in why, why
     for name in ("blocking", "waiting"):    # async_op=False, or async_op=True and .wait() in the hook
         ok, why = exercises.check_bucketed(cases["bucketed"][name])
         assert not ok and "backward waited" in why, (name, why)
