@@ -105,6 +105,26 @@ def test_unsharded_peak_check_fails_for_root_only_wrapping(launched):
         shard10.check_unsharded_peak({**v, "unsharded_peak": {**peak, "per layer, kept": peak["per layer"]}})
 
 
+PER_LAYER = ("    for layer in fsdp:\n        if isinstance(layer, nn.Linear):\n"
+             "            fully_shard(layer, mesh=mesh)\n")
+
+
+def test_unsharded_peak_check_fails_when_the_trained_model_is_wrapped_at_the_root_only(one_rank, tmp_path):
+    # Cell 10-17's check on the model section 3 trains, with the bug planted in a copy of the
+    # script: its per-layer fully_shard lines removed, so only fully_shard(fsdp) is left. On GPUs
+    # (no byte counts) this peak is the check that sees it.
+    shard10 = load_script(script("beyond_shard.py"))
+    shard10.run(shard10.parse_args(["--steps", "1"]), torch.device("cpu"))
+    sh = json.loads((one_rank / "shard.json").read_text())
+    shard10.check_unsharded_peak(sh)
+    root_only = planted(tmp_path, "beyond_shard.py", PER_LAYER, "")
+    root_only.run(root_only.parse_args(["--steps", "1"]), torch.device("cpu"))
+    sh = json.loads((one_rank / "shard.json").read_text())
+    assert sh["unsharded_peak"]["trained"] == 4 * sh["params"]
+    with pytest.raises(AssertionError, match="the model section 3 trained held .* before fully_shard"):
+        shard10.check_unsharded_peak(sh)
+
+
 def test_fp16_compress_hook_divides_in_fp16_and_small_gradients_underflow():
     # The hook's own line (installed torch): cast, then divide by N, before the all-reduce.
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,6 +222,24 @@ def test_is_causal_equals_the_explicit_mask_and_a_wrong_mask_fails():
     assert capstone.check_is_causal(gpt.causal_mask) == 0.0               # the expert measured 0.0 too
     with pytest.raises(AssertionError, match="differ by"):                 # off by one: sees the next byte
         capstone.check_is_causal(lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device).tril(1))
+
+
+def test_hsdp_line_of_section_9_needs_the_mesh_dimension_names():
+    # Cell 11-19g's HSDP call, on a 1 x 1 CPU mesh: with mesh_dim_names it shards; the line as it
+    # was, without them, is refused by FSDP2 (the expert's finding 4 of issue 44's review).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+        with pytest.raises(AssertionError, match="mesh_dim_names"):
+            fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1)))
+    finally:
+        dist.destroy_process_group()
+    nb = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "11_capstone_gpt.ipynb").read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c.get("id") == "11-19g")
+    assert 'mesh_dim_names=("replicate", "shard")' in text, "cell 11-19g's HSDP line lost its mesh_dim_names"
 
 
 def test_checkpointing_check_fails_when_nothing_is_recomputed(monkeypatch):

@@ -58,3 +58,15 @@ def test_every_notebook_links_the_glossary_near_its_top():
     missing = [p.name for p in ALL_LESSONS
                if not any("(../docs/glossary.md)" in t for t in markdown_cells(p)[:2])]
     assert not missing, missing
+
+
+LATER_LESSONS = sorted(p for p in (REPO / "notebooks").glob("*.ipynb") if p.name[:2] in ("09", "10", "11"))
+
+
+def test_lessons_09_to_11_each_have_few_long_sentences_and_no_nested_parentheses():
+    """Issue 44: each of 09, 10 and 11 at most 10 sentences over 35 words, none nested."""
+    assert len(LATER_LESSONS) == 3, LATER_LESSONS
+    for path in LATER_LESSONS:
+        long, nested = prose.measure(path)
+        assert not nested, (path.name, [s[:100] for _, s in nested])
+        assert len(long) <= 10, f"{path.name}: {len(long)} sentences over 35 words:\n" + "\n".join(s[:100] for _, s in long)

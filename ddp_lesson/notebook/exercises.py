@@ -559,7 +559,9 @@ def check_bucketed(stage):
                     " and self.works at the end of finish()" if i > 1 else "")
             return False, f"step {i}: your Bucketed raised {st['error']}.{hint}"
         if not st["allclose"]:
-            return False, f"step {i}: weights differ from torch DDP by {st['max_abs_diff']:.2e}"
+            hint = (": no all_reduce was called, so each rank trained on its own gradients" if not st["calls"]
+                    else ": did finish() divide the summed bucket by the world size? torch DDP averages")
+            return False, f"step {i}: weights differ from torch DDP by {st['max_abs_diff']:.2e}{hint}"
         if st["calls"] != n:
             return False, f"step {i}: {st['calls']} all_reduce calls, expected one per bucket ({n})"
         if st["numels"] != expected:

@@ -4,7 +4,7 @@ workloads it was not fitted to.
 fit_and_held_out (on every rank) times costmodel's sweep and the held-out workloads,
 interleaved, with more rounds while load blurs them; held_out_ratios fits the line and
 divides measured by predicted; check_held_out names the workloads the model misses by more
-than a factor.
+than a factor; check_per_call compares 64 small all-reduces with one, which load cannot blur.
 """
 import time
 
@@ -64,8 +64,9 @@ def band(world, cores, load):
     cores to themselves. With more ranks than cores, or other programs keeping half the cores
     busy (the load average less the ranks' own share), a ring's every hop can wait a scheduler
     time slice, milliseconds, for a rank the OS has put aside, whatever the bytes: 20 then.
-    20 still fails a line without alpha (thousands of times off) and alpha paid once for 64
-    all-reduces (about 60 times); it lets a bytes formula off by 4 through."""
+    20 still fails a line without alpha (thousands of times off). It can let alpha paid once
+    for 64 all-reduces through (at 4 ranks on 2 cores that scored about 19), which
+    check_per_call catches whatever the load, and a bytes formula off by 4."""
     others = max(0.0, load - world)
     if world > cores:
         return 20.0, f"{world} ranks share {cores} cores, so they wait for each other's time slices"
@@ -79,3 +80,15 @@ def check_held_out(ratios, factor=3.0):
     """The workloads the model misses by more than `factor`, either way ([] if none)."""
     return [f"{name}: measured / predicted = {r:.2f}" for name, r in ratios.items()
             if not 1 / factor <= r <= factor]
+
+
+def check_per_call(ratios, factor=3.0):
+    """64 all-reduces of 4 B against one: both are timed in the same rounds, so load slows both
+    alike and their ratio keeps the model honest where the band is wide. Measured, 64 calls take
+    about 64 times one (alpha paid per call); a model must predict that within `factor`.
+    One that pays alpha once per step predicts about 1, 64 times off. [] if it holds."""
+    r = ratios["64 all-reduces of 4 B"] / ratios["one 4 B all-reduce"]
+    if 1 / factor <= r <= factor:
+        return []
+    return [f"64 all-reduces of 4 B against one: measured / predicted differ by {r:.1f}x, more than "
+            f"{factor:.0f}x, though load slows both alike: does the model pay alpha once per all-reduce?"]

@@ -215,8 +215,10 @@ def run(args, device):
     w_fsdp = full_weights(fsdp)
     out["fsdp_max_weight_diff_vs_ddp"] = (w_fsdp - w_ddp).abs().max().item()
     out["fsdp_max_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(out["losses"]["fsdp"], out["losses"]["ddp"]))
-    out["unsharded_peak"] = {how: unsharded_peak(wrapped(base, mesh, how), *batches[0])
-                             for how in ("per layer", "per layer, kept", "root only")}
+    # the peak of whole weights at once: the model just trained, then three ways of wrapping it
+    out["unsharded_peak"] = {"trained": unsharded_peak(fsdp, *batches[0])}
+    out["unsharded_peak"].update({how: unsharded_peak(wrapped(base, mesh, how), *batches[0])
+                                  for how in ("per layer", "per layer, kept", "root only")})
     out["layer_bytes"] = [sum(p.numel() * 4 for p in m.parameters()) for m in base if isinstance(m, nn.Linear)]
     out["held_per_rank"] = {k: gather(sum(v.values())) for k, v in out["held"].items()}
     if not use_cuda:                     # nccl's bytes do not go through this process's sockets
@@ -226,9 +228,14 @@ def run(args, device):
 
 
 def check_unsharded_peak(sh):
-    """The notebook's check of what per-layer wrapping buys: the peak of whole weights at once."""
+    """The notebook's check of what per-layer wrapping buys: the peak of whole weights at once,
+    first in the model section 3 trained (the lines you edit), then in the three demo wrappings."""
     peak, full = sh["unsharded_peak"], 4 * sh["params"]
     two = sum(sorted(sh["layer_bytes"])[-2:])        # the layer running and, at most, one prefetched
+    assert peak["trained"] <= two < full, (
+        f"the model section 3 trained held {peak['trained']:,} bytes of whole weights at once, more than "
+        f"the two largest layers ({two:,}) of the model's {full:,}: is every Linear its own fully_shard "
+        f"unit, before fully_shard(fsdp)?")
     assert peak["per layer"] <= two < full, (
         f"per-layer wrapping held {peak['per layer']:,} bytes of whole weights at once, more than the two "
         f"largest layers ({two:,}) of the model's {full:,}: is every Linear its own fully_shard unit?")
