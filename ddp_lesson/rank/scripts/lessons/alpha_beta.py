@@ -4,7 +4,7 @@ workloads it was not fitted to.
 fit_and_held_out (on every rank) times costmodel's sweep and the held-out workloads,
 interleaved, with more rounds while load blurs them; held_out_ratios fits the line and
 divides measured by predicted; check_held_out names the workloads the model misses by more
-than a factor; check_per_call compares 64 small all-reduces with one, which load cannot blur.
+than a factor; check_per_call compares 64 small all-reduces with one, timed in the same rounds, so load slows both about alike.
 """
 import time
 
@@ -66,7 +66,7 @@ def band(world, cores, load):
     time slice, milliseconds, for a rank the OS has put aside, whatever the bytes: 20 then.
     20 still fails a line without alpha (thousands of times off). It can let alpha paid once
     for 64 all-reduces through (at 4 ranks on 2 cores that scored about 19), which
-    check_per_call catches whatever the load, and a bytes formula off by 4."""
+    check_per_call catches it at any load that slows both sides about alike, and a bytes formula off by 4."""
     others = max(0.0, load - world)
     if world > cores:
         return 20.0, f"{world} ranks share {cores} cores, so they wait for each other's time slices"
