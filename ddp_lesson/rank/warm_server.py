@@ -28,7 +28,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from . import guard
+from . import guard, rundir
 
 # what a rank of a DDP script imports anyway: torch, and torch._dynamo, which DDP(...) and
 # the optimizers import on first use (about half of a rank's start-up on a CPU)
@@ -98,6 +98,12 @@ def _become(req, warm_pid, inherited, fds):
     (req["role"] "agent") or one rank of a run (role "rank": a warm agent asks for each)."""
     code = 1
     try:
+        # the child's own output first, so that whatever fails below shows in its log, not the warm process's
+        for fd, path in ((1, req.get("stdout") or req["log"]), (2, req.get("stderr") or req["log"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        guard.fresh_stdio()
         for f in inherited:
             f.close()
         for fd in fds:
@@ -108,11 +114,6 @@ def _become(req, warm_pid, inherited, fds):
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        for fd, path in ((1, req.get("stdout") or req["log"]), (2, req.get("stderr") or req["log"])):
-            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
-        guard.fresh_stdio()
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -139,6 +140,7 @@ def _become(req, warm_pid, inherited, fds):
     except BaseException:
         traceback.print_exc()        # as the interpreter prints an uncaught exception
         code = 1
+        _note_early_failure(req)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -205,6 +207,19 @@ def serve(listener):
         _reap(agents)
         if draining and not agents:
             return
+
+
+def _note_early_failure(req):
+    """A rank that failed before its guard took over its output has printed its traceback to
+    torchrun's stream only: put it where the launcher looks for a rank's last words too."""
+    env = req.get("env", {})
+    if req.get("role") != "rank" or not env.get(rundir.ENV) or not env.get("RANK", "").isdigit():
+        return
+    try:
+        with open(rundir.rank_log(env[rundir.ENV], int(env["RANK"]), "stderr"), "a") as f:
+            traceback.print_exc(file=f)
+    except OSError:
+        pass
 
 
 def _reap(agents):
