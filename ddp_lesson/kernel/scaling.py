@@ -175,6 +175,16 @@ def check(rows, cores):
     return [r["nproc"] for r in rows if r["contended"]]
 
 
+def rest_note(r):
+    """The rest of a measured step, in words that the run's own numbers do not contradict."""
+    note = f"rest {r['rest_s'] * 1e3:.1f} ms"
+    if r["rest_s"] < 0:
+        return note + (" (negative: the model's parts took longer than the whole step; they were timed at "
+                       "different moments, so the machine's crowd probably changed in between)")
+    return note + (": DDP's per-step work the model leaves out (not identified here)"
+                   + ("; contended, so waits for a core are in it too" if r["contended"] else ""))
+
+
 WALL_TOL = 0.50   # a printed verdict only: a 2-core machine is noisy even when quiet
 
 
@@ -204,11 +214,10 @@ def wall_verdict(rows, cores, tol=WALL_TOL):
         err = (r["pred_speedup"] - r["speedup"]) / r["speedup"]
         lines.append(
             f"{n} ranks: measured step {r['step_s'] * 1e3:.1f} ms, model (compute + all-reduce) "
-            f"{r['pred_step_s'] * 1e3:.1f} ms, rest {r['rest_s'] * 1e3:.1f} ms: DDP's per-step work the model "
-            f"leaves out (not identified here). Speed-up measured {r['speedup']:.2f}x, model "
+            f"{r['pred_step_s'] * 1e3:.1f} ms, {rest_note(r)}. Speed-up measured {r['speedup']:.2f}x, model "
             f"{r['pred_speedup']:.2f}x ({err:+.0%}), perfect scaling {n}x. Verdict: the model is "
             + ("within" if abs(err) < tol else "not within") + f" {tol:.0%}; {n} ranks were "
-            + ("faster" if r["speedup"] > 1 else "not faster") + " than one"
+            + ("faster" if r["speedup"] > 1 else "not faster") + f" than one ({r['speedup']:.2f}x)"
             + (f" on {cores} cores" if n <= cores else f", with more ranks than the {cores} cores") + ".")
     return lines
 
