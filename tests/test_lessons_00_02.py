@@ -207,12 +207,41 @@ def _weights_via_hidden_autograd(batch, n_devices):
     return losses.grad.tolist()
 
 
+def _weights_via_func_grad(batch, n_devices):
+    # planted (expert review, issue 45): torch.func.grad ignores the checker's outer no_grad
+    import torch.func as tf
+    return tf.grad(lambda l: torch.stack([c.mean() for c in l.chunk(n_devices)]).mean())(torch.rand(batch)).tolist()
+
+
+def _weights_via_set_grad_enabled(batch, n_devices):
+    # planted: autograd switched back on by a name a word list missed, backward reached by getattr
+    on = getattr(torch, "set_" + "grad_enabled")
+    with on(True):
+        losses = torch.rand(batch, dtype=torch.float64).requires_grad_()
+        getattr(torch.stack([c.mean() for c in losses.chunk(n_devices)]).mean(), "back" "ward")()
+    return losses.grad.tolist()
+
+
+def _weights_explained_in_a_comment(batch, n_devices):
+    # a correct answer whose comment and string name backward and autograd: accepted
+    size = -(-batch // n_devices)   # as backward would find it
+    chunks = [min(size, batch - start) for start in range(0, batch, size)]
+    note = "no autograd here"
+    return [1 / (len(chunks) * c) for c in chunks for _ in range(c)] if note else None
+
+
 def test_02_checker_accepts_the_prediction_and_refuses_autograd():
     from ddp_lesson.exercises import check_weights
     assert check_weights(_mean_of_means_weights)
-    for planted in (_weights_via_autograd, _weights_via_hidden_autograd):
+    assert check_weights(_weights_explained_in_a_comment)     # names in comments and strings do not count
+    for planted in (_weights_via_autograd, _weights_via_hidden_autograd, _weights_via_func_grad,
+                    _weights_via_set_grad_enabled):
         with pytest.raises(AssertionError, match="autograd"):
             check_weights(planted)
+    # the run-time watch alone, with no source to read: a lambda built by eval
+    hidden = eval("lambda b, n: __import__('torch').func.grad(lambda l: l.sum())(__import__('torch').rand(b)).tolist()")
+    with pytest.raises(AssertionError, match="called torch's autograd"):
+        check_weights(hidden)
 
 
 @pytest.mark.timeout(120)
