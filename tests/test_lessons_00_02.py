@@ -472,3 +472,26 @@ def test_01_wrapped_optimizer_cell_steps_through_the_wrapper():
     # a wrapper holding a copy of the optimizer would step other tensors: the check sees it
     with pytest.raises(AssertionError):
         _run_01_wrapped_optimizer_cell("(net_b, copy.deepcopy(wrapped_opt.module))")
+
+
+@pytest.mark.timeout(200)
+def test_00_doctor_keeps_a_failed_smoke_run_and_shows_the_failing_rank(tmp_path, monkeypatch):
+    # 00 appendix C: doctor's smoke test failed once with only "Rank 1 failed first", and its run
+    # folder was deleted. Planted: rank 1 raises; doctor must keep the folder and show the traceback.
+    import io
+    import shutil
+    from ddp_lesson.kernel import doctor
+    planted = tmp_path / "allreduce_check.py"
+    planted.write_text("import os\nif os.environ['RANK'] == '1':\n"
+                       "    raise RuntimeError('planted failure on rank 1')\n")
+    monkeypatch.setattr(doctor, "script", lambda name: planted)
+    out = io.StringIO()
+    assert doctor.check_allreduce(out) == ["fail"]
+    text = out.getvalue()
+    kept = re.search(r"its files are kept in (\S+)\)", text)
+    assert kept and Path(kept.group(1)).is_dir(), text
+    try:
+        assert "Rank 1 failed first" in text and "planted failure on rank 1" in text, text
+        assert all(line.startswith(("fail", " ")) for line in text.splitlines()), text   # details indented
+    finally:
+        shutil.rmtree(Path(kept.group(1)).parent, ignore_errors=True)
