@@ -431,3 +431,4 @@ def test_join_run_ends_with_join_and_times_out_without(tmp_path, planted):
         assert ranks[1]["with_join"]["error"] and ranks[1]["with_join"]["steps"] == 2
     else:
         assert [r["with_join"]["steps"] for r in ranks] == [2, 3] and all(r["weights_equal"] for r in ranks)
+        assert not any(r["weights_equal_inside"] for r in ranks)   # equal only after the with: Join's copy

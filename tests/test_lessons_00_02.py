@@ -207,12 +207,41 @@ def _weights_via_hidden_autograd(batch, n_devices):
     return losses.grad.tolist()
 
 
+def _weights_via_func_grad(batch, n_devices):
+    # planted (expert review, issue 45): torch.func.grad ignores the checker's outer no_grad
+    import torch.func as tf
+    return tf.grad(lambda l: torch.stack([c.mean() for c in l.chunk(n_devices)]).mean())(torch.rand(batch)).tolist()
+
+
+def _weights_via_set_grad_enabled(batch, n_devices):
+    # planted: autograd switched back on by a name a word list missed, backward reached by getattr
+    on = getattr(torch, "set_" + "grad_enabled")
+    with on(True):
+        losses = torch.rand(batch, dtype=torch.float64).requires_grad_()
+        getattr(torch.stack([c.mean() for c in losses.chunk(n_devices)]).mean(), "back" "ward")()
+    return losses.grad.tolist()
+
+
+def _weights_explained_in_a_comment(batch, n_devices):
+    # a correct answer whose comment and string name backward and autograd: accepted
+    size = -(-batch // n_devices)   # as backward would find it
+    chunks = [min(size, batch - start) for start in range(0, batch, size)]
+    note = "no autograd here"
+    return [1 / (len(chunks) * c) for c in chunks for _ in range(c)] if note else None
+
+
 def test_02_checker_accepts_the_prediction_and_refuses_autograd():
     from ddp_lesson.exercises import check_weights
     assert check_weights(_mean_of_means_weights)
-    for planted in (_weights_via_autograd, _weights_via_hidden_autograd):
+    assert check_weights(_weights_explained_in_a_comment)     # names in comments and strings do not count
+    for planted in (_weights_via_autograd, _weights_via_hidden_autograd, _weights_via_func_grad,
+                    _weights_via_set_grad_enabled):
         with pytest.raises(AssertionError, match="autograd"):
             check_weights(planted)
+    # the run-time watch alone, with no source to read: a lambda built by eval
+    hidden = eval("lambda b, n: __import__('torch').func.grad(lambda l: l.sum())(__import__('torch').rand(b)).tolist()")
+    with pytest.raises(AssertionError, match="called torch's autograd"):
+        check_weights(hidden)
 
 
 @pytest.mark.timeout(120)
@@ -443,3 +472,26 @@ def test_01_wrapped_optimizer_cell_steps_through_the_wrapper():
     # a wrapper holding a copy of the optimizer would step other tensors: the check sees it
     with pytest.raises(AssertionError):
         _run_01_wrapped_optimizer_cell("(net_b, copy.deepcopy(wrapped_opt.module))")
+
+
+@pytest.mark.timeout(200)
+def test_00_doctor_keeps_a_failed_smoke_run_and_shows_the_failing_rank(tmp_path, monkeypatch):
+    # 00 appendix C: doctor's smoke test failed once with only "Rank 1 failed first", and its run
+    # folder was deleted. Planted: rank 1 raises; doctor must keep the folder and show the traceback.
+    import io
+    import shutil
+    from ddp_lesson.kernel import doctor
+    planted = tmp_path / "allreduce_check.py"
+    planted.write_text("import os\nif os.environ['RANK'] == '1':\n"
+                       "    raise RuntimeError('planted failure on rank 1')\n")
+    monkeypatch.setattr(doctor, "script", lambda name: planted)
+    out = io.StringIO()
+    assert doctor.check_allreduce(out) == ["fail"]
+    text = out.getvalue()
+    kept = re.search(r"its files are kept in (\S+)\)", text)
+    assert kept and Path(kept.group(1)).is_dir(), text
+    try:
+        assert "Rank 1 failed first" in text and "planted failure on rank 1" in text, text
+        assert all(line.startswith(("fail", " ")) for line in text.splitlines()), text   # details indented
+    finally:
+        shutil.rmtree(Path(kept.group(1)).parent, ignore_errors=True)

@@ -793,9 +793,12 @@ def test_04_lesson_text_says_what_the_curve_check_asserts_and_the_draw_order():
     assert fold.startswith("<details>") and "first 5 steps" in fold and "within 1e-5" in fold
     assert "plain BN's first loss differs from SyncBN's, unless there is one rank" in fold.replace("\n", " ")
     one = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4]
-    plain = [2.1] + one[1:]
+    plain = [v + 0.1 for v in one]
     near = [v + 9e-6 for v in one[:5]] + [v + 0.5 for v in one[5:]]   # agrees for 5 steps only
     syncbn_compare.check_step_by_step(near, one, plain, 2)
+    long = [2.0 - 0.05 * i for i in range(20)]
+    with pytest.raises(AssertionError, match="median distance"):   # planted: agrees 5 steps, then drifts past plain BN
+        syncbn_compare.check_step_by_step(long[:5] + [v + 0.5 for v in long[5:]], long, [v + 0.1 for v in long], 2)
     with pytest.raises(AssertionError, match="SyncBN vs one process"):   # step 5 off by 2e-5
         syncbn_compare.check_step_by_step(one[:4] + [one[4] + 2e-5] + one[5:], one, plain, 2)
     with pytest.raises(AssertionError, match="equals plain BN"):          # plain BN's step 1 the same

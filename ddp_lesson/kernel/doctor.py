@@ -173,17 +173,32 @@ def check_store(out):
 
 
 def check_allreduce(out, timeout=120):
+    """The smoke test: a real 2-rank run of allreduce_check.py. Its folder is removed when it
+    passes and kept when it fails, and the failing rank's traceback and stderr are shown."""
     gpus = devices.list_gpus()
     kwargs = {"nproc": min(2, len(gpus))} if gpus else {"nproc": 2, "cpu": True}
-    with tempfile.TemporaryDirectory(prefix="ddp-lesson-doctor-") as tmp:
-        run = launch.start(script("allreduce_check.py"), run_dir=Path(tmp) / "run",
-                           timeout=timeout, label="doctor", **kwargs)
-        result = run.wait()
-        if result["status"] == "ok":
-            return [_line("ok", runs.log_tail(run.run_dir, 0, 1) + f" in {result['duration_s']:.1f} s", out)]
-        return [_line("fail", f"2-rank all_reduce smoke test {result['status']}: "
-                              f"{result.get('message', '').splitlines()[0] if result.get('message') else ''} "
-                              f"(run `python -m ddp_lesson run` on a small script to see more)", out)]
+    tmp = Path(tempfile.mkdtemp(prefix="ddp-lesson-doctor-"))
+    run = launch.start(script("allreduce_check.py"), run_dir=tmp / "run",
+                       timeout=timeout, label="doctor", **kwargs)
+    result = run.wait()
+    if result["status"] == "ok":
+        said = (read_json(Path(run.run_dir) / "allreduce.json") or {}).get("said", "")   # rank 0's sum, checked
+        shutil.rmtree(tmp, ignore_errors=True)
+        return [_line("ok", f"2-rank all_reduce smoke test passed in {result['duration_s']:.1f} s"
+                            + (f": {said}" if said else ""), out)]
+    message = (result.get("message") or "").strip()
+    rank = (result.get("failure") or {}).get("rank")
+    levels = [_line("fail", f"2-rank all_reduce smoke test {result['status']}: "
+                            f"{message.splitlines()[0] if message else ''} (its files are kept in {run.run_dir})", out)]
+    for line in message.splitlines()[1:]:
+        print(f"      {line}", file=out)
+    if rank is not None:
+        tail = runs.log_tail(run.run_dir, rank, 20, "stderr").rstrip()
+        if tail:
+            print(f"      rank {rank}'s stderr, last lines:", file=out)
+            for line in tail.splitlines():
+                print(f"      {line}", file=out)
+    return levels
 
 
 def main(out=sys.stdout):

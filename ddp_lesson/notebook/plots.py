@@ -12,6 +12,7 @@ drawn off the main thread.
 """
 import io
 import math
+import textwrap
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -372,7 +373,9 @@ class LivePlot:
             else:
                 draw_metric(ax, self.series[metric], metric, x=self.x)
         if self.title != self._drawn_title:
-            self.fig.suptitle(self.title, fontsize="medium")
+            # wrapped to the figure's width (about 12 characters an inch): a long title is not clipped
+            width = max(30, int(12 * self.fig.get_figwidth()))
+            self.fig.suptitle(textwrap.fill(self.title, width), fontsize="medium")
             self._drawn_title = self.title
         buf = io.BytesIO()
         FigureCanvasAgg(self.fig).print_png(buf)

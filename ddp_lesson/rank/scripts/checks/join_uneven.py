@@ -3,7 +3,9 @@
 Rank r gets 2 + r batches, so rank 0 runs out first. Without Join, DDP's next gradient
 all-reduce on the other ranks waits for rank 0, which never joins it: on a process group with a
 short timeout, TIMEOUT_S, they raise instead of hanging for the default 30 minutes. With
-`with model.join():` rank 0 answers their all-reduces with zeros and every rank ends the loop.
+`with model.join():` rank 0 answers their all-reduces with zeros and every rank ends the loop;
+the ranks' weights differ as each runs out, and agree only after the with, where Join copies the
+last rank to finish onto every rank.
 Writes join.json (one entry per rank) into the run directory.
 """
 import datetime
@@ -41,6 +43,17 @@ def train(model, rank):
     return {"steps": steps, "error": None, "seconds": time.perf_counter() - t0}
 
 
+def flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def all_equal(weights, world):
+    """Whether every rank holds these same weights."""
+    gathered = [torch.zeros_like(weights) for _ in range(world)]
+    dist.all_gather(gathered, weights)
+    return all(torch.equal(w, gathered[0]) for w in gathered)
+
+
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -55,12 +68,12 @@ def main():
     model = DDP(nn.Linear(4, 1), process_group=dist.new_group(timeout=datetime.timedelta(seconds=10 * TIMEOUT_S)))
     with model.join():                   # a rank out of batches answers the others' all-reduces
         joined = train(model, rank)
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.zeros_like(weights) for _ in range(world)]
-    dist.all_gather(gathered, weights)
+        inside = flat(model)             # this rank's weights as it ran out, still inside the with
+    # leaving the with, Join copies the last rank to finish onto every rank (DDP's _sync_final_model)
     result = {"rank": rank, "world_size": world, "batches": 2 + rank, "timeout_s": TIMEOUT_S,
               "without_join": without, "with_join": joined,
-              "weights_equal": all(torch.equal(w, gathered[0]) for w in gathered)}
+              "weights_equal_inside": all_equal(inside, world),
+              "weights_equal": all_equal(flat(model), world)}
     results = [None] * world
     dist.all_gather_object(results, result)
     if rank == 0:
