@@ -24,7 +24,7 @@ WORK_ENV = "DDP_LESSON_WORK"   # where a notebook kernel works when the course f
 def learner_folder(cwd=None, env=None):
     """A notebook kernel whose folder this user cannot write to (a shared, read-only course
     folder) moves to a folder of the learner's own: $DDP_LESSON_WORK, else
-    ~/ddp-lesson/<the folder's name>. Every notebook writes work/ and runs/ relative to the
+    ~/ddp-lesson-work/<the folder's name>. Every notebook writes work/ and runs/ relative to the
     kernel's folder; its links to ../docs resolve against the notebook file, so they still work.
     Returns the folder moved to, or None."""
     cwd = os.path.abspath(cwd or os.getcwd())
@@ -32,7 +32,7 @@ def learner_folder(cwd=None, env=None):
     if os.access(cwd, os.W_OK):
         return None
     target = os.path.abspath(os.path.expanduser(env.get(WORK_ENV) or
-                                                os.path.join("~", "ddp-lesson", os.path.basename(cwd))))
+                                                os.path.join("~", "ddp-lesson-work", os.path.basename(cwd))))
     try:
         os.makedirs(target, mode=0o700, exist_ok=True)   # 0700 whatever the umask: the learner's own
         os.chmod(target, 0o700)
