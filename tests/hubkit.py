@@ -172,8 +172,8 @@ c.ConfigurableHTTPProxy.pid_file = {pid_file!r}
 c.JupyterHub.db_url = "sqlite:///{db}"
 c.JupyterHub.cookie_secret_file = {cookie!r}
 c.Authenticator.allowed_users = set(LEARNERS)
-c.Spawner.notebook_dir = "~/ddp-lesson/notebooks"
-c.Spawner.default_url = "/lab"
+c.Spawner.notebook_dir = "~/ddp-lesson"     # notebooks/ and docs/: the notebooks' ../docs links resolve
+c.Spawner.default_url = "/lab/tree/notebooks/00_start_here.ipynb"
 c.Spawner.environment = {{
     "PATH": {path!r},
     "PYTHONPATH": {pythonpath!r},

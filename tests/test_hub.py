@@ -124,6 +124,12 @@ def room():
                 shutil.copytree(hubkit.REPO / part, home / part,
                                 ignore=shutil.ignore_patterns("runs", "work", ".ipynb_checkpoints"))
             subprocess.run(["chown", "-R", f"{name}:{name}", str(home)], check=True)
+        shared = base / "shared"   # a read-only shared course folder (root's, 0755), as docs/instructors.md's section 3
+        for part in ("notebooks", "docs"):
+            shutil.copytree(hubkit.REPO / part, shared / part,
+                            ignore=shutil.ignore_patterns("runs", "work", ".ipynb_checkpoints"))
+        subprocess.run(["chmod", "-R", "a+rX,go-w", str(shared)], check=True)
+        (Path(users[NAMES[0]].pw_dir) / "ddp-lesson" / "shared").symlink_to(shared)
         # the guide's terminal fix, for the test's learners only: a login shell resets PATH
         PROFILE_D.write_text(f'case " $(id -un) " in {"|".join(f"*{n}*" for n in NAMES)}) '
                              f'export PATH="{Path(python).parent}:$PATH";; esac\n')
@@ -133,10 +139,10 @@ def room():
                 list(pool.map(hub.start_server, NAMES))
             for name in NAMES:
                 learners.append(hubkit.Learner(hub, name))
-                learners[-1].open_notebook("00_start_here.ipynb")
+                learners[-1].open_notebook("notebooks/00_start_here.ipynb")
             print(f"hub test: hub, servers and kernels up in {time.monotonic() - t0:.0f} s ({how})")
             yield {"hub": hub, "learners": learners, "users": users, "cores": cores, "python": python,
-                   "base": base, "how": how}
+                   "base": base, "how": how, "shared": shared}
             t0 = time.monotonic()
             for l in learners:
                 l.close()
@@ -273,3 +279,42 @@ def test_server_stop_leaves_nothing_and_spares_the_others(room, session):
     if ended not in ("interrupted", "failed"):
         problems.append(f"the run going at the server stop ended with result.json status {ended}")
     assert not problems, "; ".join(problems)
+
+
+READ_ONLY = """
+import json, os, sys
+from pathlib import Path
+from ddp_lesson import launch       # every notebook's first code cell imports ddp_lesson
+from ddp_lesson.lesson import work_dir
+work_dir()
+Path("work/ro.py").write_text("import os; print('ran in', os.getcwd())\\n")   # as a %%writefile cell does
+run = launch.start(Path("work/ro.py"), nproc=1, cpu=True, cold=True, timeout=120)
+res = run.wait()
+print(json.dumps({"cwd": os.getcwd(), "status": res["status"], "message": res.get("message"),
+                  "run_dir": str(run.run_dir), "mode": oct(os.stat(".").st_mode & 0o777)}))
+"""
+
+
+def test_read_only_shared_course_folder(room):
+    """A notebook opened from a shared course folder the learner cannot write to: importing
+    ddp_lesson moves the kernel to ~/ddp-lesson-work/notebooks (saying so), work/ and runs/ are
+    made there, and the notebook's ../docs link still resolves (JupyterLab resolves it against
+    the notebook's path, not the kernel's folder)."""
+    name = NAMES[0]
+    home = room["users"][name].pw_dir
+    learner = hubkit.Learner(room["hub"], name)
+    try:
+        kernel = learner.open_notebook("shared/notebooks/04_sync_batchnorm.ipynb")
+        out, error = learner.execute(READ_ONLY, 200)
+        assert error is None, f"{error}\n{out}"
+        got = json.loads(out.strip().splitlines()[-1])
+        assert "is read-only for you, so this notebook works in" in out, out
+        assert got["cwd"] == f"{home}/ddp-lesson-work/notebooks" and got["mode"] == "0o700", got
+        assert got["status"] == "ok", got["message"]
+        assert Path(got["run_dir"]).parent == Path(got["cwd"]) / "runs"
+        link = learner.api("GET", "/contents/shared/docs/glossary.md")   # shared/notebooks/ + ../docs/glossary.md
+        assert link["type"] == "file" and link["content"], link
+        assert not any((room["shared"] / "notebooks").glob("*/")), "nothing written in the shared folder"
+        learner.api("DELETE", f"/kernels/{kernel}")
+    finally:
+        learner.close()

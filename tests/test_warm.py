@@ -317,3 +317,46 @@ def test_a_script_that_leaves_with_os_exit_0_ends_warm_and_cold(server, write_sc
         run, r = launched(script, cold=cold)
         assert r["status"] == "ok", r
         assert "done" in runs.log_tail(run.run_dir, 1)
+
+
+def fresh_warm_process():
+    """Replace this launcher's warm processes by new ones, made with the environment as it is now."""
+    assert launch.warm_up().ready(120)   # the one there is up, so warm_up can see it stale
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(warm, "fingerprint", lambda: "upgraded")   # as if torch or the package changed
+        server = launch.warm_up()
+    assert server.ready(120), server.log_tail()
+    return server
+
+
+def test_an_idle_warm_process_exits_and_the_next_launch_starts_one(write_script, monkeypatch):
+    """DDP_LESSON_WARM_IDLE_S: warm processes with nothing to do exit and remove their folders;
+    the next launch starts new ones and is warm; launches that meet one exiting still end ok."""
+    script = write_script("idle.py", "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                     "dist.barrier()\ndist.destroy_process_group()\n")
+    monkeypatch.setenv(warm.IDLE_ENV, "3")
+    monkeypatch.setattr(warm, "PEER_GRACE_S", 1)
+    server = fresh_warm_process()
+    run, r = launched(script)
+    assert r["status"] == "ok" and run.config["launch"]["mode"] == "warm", (r, run.config["launch"])
+    assert launch.warm_up() is server
+    folders = [s.dir for s in (server, *server.peers)]
+    assert len(folders) == 2
+    t0 = time.monotonic()
+    assert wait_until(lambda: not server.alive() and not any(os.path.exists(f) for f in folders), 60), \
+        (server.alive(), [f for f in folders if os.path.exists(f)])
+    assert time.monotonic() - t0 > 1, "it waited for its idle time"
+    run, r = launched(script)
+    assert r["status"] == "ok" and run.config["launch"]["mode"] == "warm", (r, run.config["launch"])
+    assert launch.warm_up().pid != server.pid
+    # launches that arrive as warm processes reach their idle end: warm or cold, never failed
+    monkeypatch.setenv(warm.IDLE_ENV, "0.5")
+    monkeypatch.setattr(warm, "PEER_GRACE_S", 0)
+    fresh_warm_process()
+    modes = []
+    for pause in (0.3, 0.5, 0.6, 0.45):
+        time.sleep(pause)
+        run, r = launched(script)
+        assert r["status"] == "ok", r
+        modes.append(run.config["launch"]["mode"])
+    assert set(modes) <= {"warm", "cold"}, modes

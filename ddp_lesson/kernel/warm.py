@@ -46,6 +46,20 @@ START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_", "OMP_", "MALLOC_", "CUDA
 NOT_AT_START = ("OMP_NUM_THREADS",)
 READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10
+# an idle warm process exits after this many seconds (0: never): an idle learner then holds no
+# torch; the next launch starts them again, and waits for that (a few seconds)
+IDLE_ENV = "DDP_LESSON_WARM_IDLE_S"
+IDLE_S = 15 * 60
+PEER_GRACE_S = 60   # warm processes 1, 2, ... wait this much longer, so an agent that warm process 0
+                    # forked just before its idle end still finds them (else its rank starts cold)
+
+
+def idle_seconds(environ=None):
+    value = (os.environ if environ is None else environ).get(IDLE_ENV, "").strip()
+    try:
+        return float(value) if value else IDLE_S
+    except ValueError:
+        return IDLE_S
 
 
 def start_vars(env):
@@ -129,12 +143,17 @@ class Server:
         server_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"   # asking for GPUs must not initialize CUDA
         with open(os.path.join(self.dir, "server.log"), "wb") as log:
             self.proc = subprocess.Popen(   # in a private network: so are the runs it forks (isolation.py);
-                isolation.wrap([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent", str(me), self.path],
-                               join=join),   # a peer joins warm process 0's, where the agent's store is
+                isolation.wrap([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent", str(me), self.path,
+                                *self._idle_args(join)], join=join),   # a peer joins warm process 0's, where the agent's store is
                 env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                 start_new_session=True, cwd=os.getcwd())
         threading.Thread(target=self._read_hello, name="ddp-lesson-warm-hello", daemon=True).start()
         self.grow(ranks)
+
+    @staticmethod
+    def _idle_args(join):
+        idle = idle_seconds()
+        return [] if idle <= 0 else ["--idle", str(idle + (PEER_GRACE_S if join else 0))]
 
     def grow(self, ranks):
         """Have a warm process for each of `ranks` local ranks (from the thread that made this)."""

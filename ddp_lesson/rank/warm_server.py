@@ -1,4 +1,4 @@
-"""A warm process of a warm launch: `python -m ddp_lesson.rank.warm_server --parent PID SOCKET`.
+"""A warm process of a warm launch: `python -m ddp_lesson.rank.warm_server --parent PID SOCKET [--idle S]`.
 
 It imports torch and what `DDP(...)` imports once, says hello on stdout and waits on a Unix
 socket. A launcher holds one per local rank, each a separate interpreter (so each has its own
@@ -7,6 +7,8 @@ module `torch.distributed.run` that a CLI torchrun runs, under the same guard. T
 warm process R for rank R (warm_ranks), which forks a child that runs the guarded rank. Each
 answer is the child's PID and, once it has reaped it, its exit status. Asked to drain (a newer
 warm process replaces it), it takes no new request and exits once its children have ended.
+With `--idle S`, it exits after S seconds with no child and no request (an idle learner then
+holds no torch in memory); its launcher starts a new one at the next launch.
 
 It holds one thread whenever it forks (it checks), never initializes CUDA, imports of this
 package only the guard (nothing a learner edits), and dies with the process that started it.
@@ -25,6 +27,7 @@ import site
 import socket
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -150,8 +153,9 @@ def _become(req, warm_pid, inherited, fds):
         os._exit(code)
 
 
-def serve(listener):
-    """Fork an agent per request; report each agent's PID, then its exit status."""
+def serve(listener, idle_s=None):
+    """Fork an agent per request; report each agent's PID, then its exit status. Returns when
+    drained, or after `idle_s` seconds with no child and no request."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -162,8 +166,17 @@ def serve(listener):
     sel.register(wake_r, selectors.EVENT_READ, "child")
     agents = {}   # pid -> the launcher's connection
     draining = False   # replaced by a newer warm process: serve what runs, then exit
+    last = time.monotonic()   # the last moment something ran or asked
     while True:
-        for key, _ in sel.select():
+        wait = None if not idle_s or agents or draining else max(0.0, last + idle_s - time.monotonic())
+        events = sel.select(wait)
+        if not events and wait is not None:
+            # idle: nothing is waiting to be accepted now; a launch that connects from here on
+            # is refused (the listener closes) and goes cold, or finds the next warm process
+            sel.unregister(listener)
+            listener.close()
+            return
+        for key, _ in events:
             if key.data == "child":
                 try:
                     while os.read(wake_r, 512):
@@ -207,6 +220,8 @@ def serve(listener):
         _reap(agents)
         if draining and not agents:
             return
+        if events or agents:
+            last = time.monotonic()
 
 
 def _note_early_failure(req):
@@ -250,8 +265,12 @@ def nvml_counts(torch):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    idle_s = None
+    if len(argv) == 5 and argv[3] == "--idle":
+        idle_s = float(argv.pop(4))
+        argv.pop(3)
     if len(argv) != 3 or argv[0] != "--parent":
-        sys.exit("usage: python -m ddp_lesson.rank.warm_server --parent PID SOCKET")
+        sys.exit("usage: python -m ddp_lesson.rank.warm_server --parent PID SOCKET [--idle S]")
     parent, path = int(argv[1]), argv[2]
     guard.remember_signals()
     folder = os.path.dirname(path)
@@ -282,8 +301,9 @@ def main(argv=None):
         "modules": sorted(m for m in sys.modules if m == "ddp_lesson" or m.startswith("ddp_lesson.")),
     }) + "\n")
     hello.close()
-    serve(listener)
-    os._exit(0)   # drained: every run it served has ended
+    serve(listener, idle_s)
+    shutil.rmtree(folder, ignore_errors=True)   # idle, or drained (a drained one's launcher removes it too)
+    os._exit(0)   # every run it served has ended
 
 
 if __name__ == "__main__":
