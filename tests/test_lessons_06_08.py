@@ -227,17 +227,17 @@ def test_06_wall_verdict_is_printed_from_the_runs_own_numbers(speedup2, model_wi
     line, = scaling.wall_verdict(rows, cores=2)
     assert ("the model is within 50%" in line) == model_within
     assert ("2 ranks were faster than one" in line) == faster
-    assert f"rest {rows[1]['rest_s'] * 1e3:.1f} ms" in line and "not identified here" in line
+    assert f"rest {rows[1]['rest_s'] * 1e3:.1f} ms" in line and "not told apart here" in line
 
 
 def test_06_a_negative_rest_is_not_called_ddps_work():
     """compute timed longer than the whole step (the crowd changed in between): the rest is negative,
-    and the line says so instead of calling it DDP's work."""
+    and the line says so instead of calling it what the terms leave out."""
     from ddp_lesson import scaling
     rows = _idle_rows(speedup2=2.4)           # 2-rank step 6.7 ms, below compute + all-reduce, 7.8 ms
     assert rows[1]["rest_s"] < 0
-    assert "negative" in scaling.rest_note(rows[1]) and "DDP's" not in scaling.rest_note(rows[1])
-    assert "DDP's per-step work" in scaling.rest_note(_idle_rows()[1])
+    assert "negative" in scaling.rest_note(rows[1]) and "leave out" not in scaling.rest_note(rows[1])
+    assert "what the two terms leave out" in scaling.rest_note(_idle_rows()[1])
 
 
 def test_06_the_shipped_reference_passes_the_notebooks_own_cells():

@@ -21,8 +21,9 @@ Model:  step(n) = compute_max(n) + allreduce(n)  (no overlap: SmallCNN's gradien
         compute_max = per step, the slowest rank's compute (every rank waits for it);
         speed-up(n) = n * step(1) / step(n)   (each rank does 1/n of the steps).
 The measured speed-up uses the median step of the real epoch the same way. The rest,
-measured step - model step (`rest_s`, wall clock), is DDP's per-step work the model leaves
-out; what it is made of is not identified here, so it is printed, never added to the model.
+measured step - model step (`rest_s`, wall clock), is what the two terms leave out: DDP's own
+work, waits for a core, parts timed at different moments; not told apart here, so it is printed,
+never added to the model, and it can be negative.
 On CPU each rank is given one thread (one rank = one core, like one GPU), so 4 ranks on 2
 cores are oversubscribed: compute(n) grows, and the model sees it because it is measured.
 """
@@ -134,8 +135,8 @@ def report(rows, out=sys.stdout, ratios=True):
               f"{r['rest_s'] * 1e3:5.1f}ms {r['step_s'] * 1e3:6.1f}ms {r['pred_speedup']:6.2f}x "
               f"{(f'{wz:.2f}x' if wz else '-'):>8} {(f'{g:.3f}x' if g else '-'):>7}", file=out)
     print("compute: the slowest rank's step with the all-reduce off (median over steps); model: the speed-up that\n"
-          "compute + all-reduce predict; rest: measured step - compute - all-reduce, DDP's per-step work the model\n"
-          "leaves out (not identified here)", file=out)
+          "compute + all-reduce predict; rest: measured step - compute - all-reduce, what the two terms leave out\n"
+          "(DDP's own work, waits for a core, parts timed at different moments; not told apart here; can be negative)", file=out)
     for r in rows[1:] if ratios else []:
         err = abs(r["pred_speedup"] - r["speedup"]) / r["speedup"]
         print(f"ratio: {r['nproc']} ranks: measured/predicted speed-up = {r['speedup'] / r['pred_speedup']:.2f} "
@@ -181,11 +182,12 @@ def rest_note(r):
     if r["rest_s"] < 0:
         return note + (" (negative: the model's parts took longer than the whole step; they were timed at "
                        "different moments, so the machine's crowd probably changed in between)")
-    return note + (": DDP's per-step work the model leaves out (not identified here)"
+    return note + (": what the two terms leave out (DDP's own work, waits, parts timed at different "
+                   "moments; not told apart here)"
                    + ("; contended, so waits for a core are in it too" if r["contended"] else ""))
 
 
-WALL_TOL = 0.50   # a printed verdict only: a 2-core machine is noisy even when quiet
+WALL_TOL = 0.50   # a printed verdict only: a 2-core machine's wall clock is noisy even with nothing else running
 
 
 def wall_launches(rows):
