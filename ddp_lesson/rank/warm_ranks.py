@@ -108,6 +108,18 @@ def request(path, req):
     return child
 
 
+def _own_output(fd):
+    """Where this agent's file descriptor `fd` writes, for a rank another process forks: the
+    file's own path where it is a file. Another process opening /proc/<agent>/fd/<fd> needs
+    ptrace-read access to the agent, which the kernel refused now and then (EACCES, seen as a
+    rank 1 that exited with status 1 before its guard started)."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        path = ""
+    return path if path.startswith("/") and os.path.isfile(path) else f"/proc/{os.getpid()}/fd/{fd}"
+
+
 def install(paths):
     """Make this agent's torchrun ask warm process R for local rank R."""
     from torch.distributed.elastic.multiprocessing import api
@@ -119,9 +131,9 @@ def install(paths):
             if args[0] == sys.executable and tuple(rest[:len(RANK_ENTRY)]) == RANK_ENTRY \
                     and self.local_rank_id < len(paths):
                 req = {"role": "rank", "args": rest[len(RANK_ENTRY):], "env": dict(env), "cwd": os.getcwd(),
-                       "log": f"/proc/{os.getpid()}/fd/1",   # the agent's own output, as a subprocess inherits it
-                       "stdout": self._stdout.name if self._stdout else f"/proc/{os.getpid()}/fd/1",
-                       "stderr": self._stderr.name if self._stderr else f"/proc/{os.getpid()}/fd/2"}
+                       "log": _own_output(1),   # the agent's own output, as a subprocess inherits it
+                       "stdout": self._stdout.name if self._stdout else _own_output(1),
+                       "stderr": self._stderr.name if self._stderr else _own_output(2)}
                 try:
                     return request(paths[self.local_rank_id], req)
                 except Unavailable as e:
