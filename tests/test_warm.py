@@ -360,3 +360,15 @@ def test_an_idle_warm_process_exits_and_the_next_launch_starts_one(write_script,
         assert r["status"] == "ok", r
         modes.append(run.config["launch"]["mode"])
     assert set(modes) <= {"warm", "cold"}, modes
+
+
+def test_a_warm_process_whose_socket_is_gone_is_replaced():
+    """A launch must not pick warm processes it cannot reach (one exiting removes its folder
+    first): such a set is not alive, and the next warm_up() starts a new one."""
+    s = launch.warm_up()
+    assert s is not None and s.ready(120), s and s.log_tail()
+    os.unlink(s.path)
+    assert not s.alive()
+    fresh = launch.warm_up()
+    assert fresh is not s and fresh.ready(120), fresh.log_tail()
+    assert fresh.alive()

@@ -182,7 +182,10 @@ class Server:
         return all(s.hello is not None and s.proc.poll() is None for s in (self, *self.peers))
 
     def alive(self):
-        return self.proc.poll() is None and all(p.alive() for p in self.peers)
+        """Running and reachable: once it said hello its socket must exist (a process that is
+        exiting removes its folder first; a launch must not pick it then)."""
+        reachable = not self.started.is_set() or os.path.exists(self.path)
+        return self.proc.poll() is None and reachable and all(p.alive() for p in self.peers)
 
     def log_tail(self, chars=2000):
         try:
