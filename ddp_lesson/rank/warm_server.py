@@ -275,7 +275,7 @@ def main(argv=None):
     guard.remember_signals()
     folder = os.path.dirname(path)
 
-    def gone(*_):   # the launcher died (a killed kernel, a stopped server): leave no folder behind
+    def gone(*_):   # the launcher died (a killed kernel, a stopped server), or this one is done: no folder left behind
         shutil.rmtree(folder, ignore_errors=True)
         os._exit(0)
 
@@ -302,8 +302,7 @@ def main(argv=None):
     }) + "\n")
     hello.close()
     serve(listener, idle_s)
-    shutil.rmtree(folder, ignore_errors=True)   # idle, or drained (a drained one's launcher removes it too)
-    os._exit(0)   # every run it served has ended
+    gone()   # idle, or drained: every run it served has ended (a drained one's launcher removes the folder too)
 
 
 if __name__ == "__main__":
