@@ -9,7 +9,7 @@ Prints, per size: time, algorithm bandwidth (bytes / time) and bus bandwidth
 then the fit  t(bytes) = alpha + bytes / beta  (latency alpha, bandwidth beta) and the
 ratio of large-message to small-message bandwidth. Small messages are latency-bound: that
 is why DDP packs gradients into buckets instead of reducing each tensor alone.
-The sweep and the fit live in ddp_lesson.costmodel (notebook 06 uses them too).
+The sweep and the fit live in ddp_lesson.rank.costmodel (notebook 06 uses them too).
 """
 import argparse
 import os
@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 
 from common import command_line  # bench/common.py
-from ddp_lesson import costmodel, launch, runs
+from ddp_lesson.rank import costmodel
+from ddp_lesson.launcher import launch, runs
 
 
 def worker(argv):
     import torch
     import torch.distributed as dist
-    from ddp_lesson import metrics
+    from ddp_lesson.rank import metrics
 
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default=",".join(map(str, costmodel.QUICK_SIZES)))

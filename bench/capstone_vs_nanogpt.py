@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_lesson.lesson import load_script, script
+from ddp_lesson.notebook.lesson import load_script, script
 
 
 def write_data(folder):

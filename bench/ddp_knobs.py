@@ -9,7 +9,7 @@ the all-reduce calls (one per bucket) and bytes of a step; the step time is the 
 timed steps. Printed per configuration: buckets per step, MB reduced per step, distinct
 gradient storages (gradient_as_bucket_view makes .grad a view into the bucket, so there is
 one storage per bucket instead of one per parameter and no copy), step time, and the ratio
-to the default configuration. The measuring lives in ddp_lesson.knobs (notebook 06 uses it too).
+to the default configuration. The measuring lives in ddp_lesson.rank.knobs (notebook 06 uses it too).
 """
 import argparse
 import os
@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 
 from common import command_line  # bench/common.py
-from ddp_lesson import knobs, launch, runs
+from ddp_lesson.rank import knobs
+from ddp_lesson.launcher import launch, runs
 
 
 def worker(argv):
     import torch
     import torch.distributed as dist
-    from ddp_lesson import metrics
+    from ddp_lesson.rank import metrics
 
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")

@@ -44,7 +44,7 @@ def worker(args):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_lesson import data, models
+    from ddp_lesson.rank import data, models
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -103,7 +103,7 @@ def main(argv=None):
     if "RANK" in os.environ:  # inside torchrun
         return worker(args)
     sys.path.insert(0, str(ROOT))
-    from ddp_lesson import launch
+    from ddp_lesson.launcher import launch
 
     run = launch.start(__file__, nproc=2, cpu=True, args=sys.argv[1:] if argv is None else argv,
                        env={"OMP_NUM_THREADS": "1"}, timeout=900,

@@ -68,7 +68,7 @@ def cpu_of(pid, children=False):
 
 def course_launch(script, nproc, args, cold, server):
     """(CPU-s, s to the first metric row or None, s in all) of one launch.start to its end."""
-    from ddp_lesson import launch, runs
+    from ddp_lesson.launcher import launch, runs
     before = children_cpu() if cold else cpu_of(server.pid, children=True)
     t0 = time.perf_counter()
     run = launch.start(script, nproc=nproc, cpu=True, args=args, cold=cold)
@@ -89,8 +89,8 @@ def course_launch(script, nproc, args, cold, server):
 
 def course(repeat, nproc, tmp):
     """Section 5: cold vs warm through the course's launcher."""
-    from ddp_lesson import launch
-    from ddp_lesson.bundled import script
+    from ddp_lesson.launcher import launch
+    from ddp_lesson.rank.bundled import script
     os.chdir(tmp)
     server = launch.warm_up()
     t0 = time.perf_counter()

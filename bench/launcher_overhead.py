@@ -46,7 +46,7 @@ def overhead(repeat, warm=True, nproc=2):
 
 
 def metric_latency(rows):
-    from ddp_lesson import launch, runs
+    from ddp_lesson.launcher import launch, runs
     with tempfile.TemporaryDirectory() as tmp:
         run = launch.start(HERE / "metrics_writer.py", nproc=1, cpu=True, args=[str(rows)],
                            run_dir=Path(tmp) / "run")

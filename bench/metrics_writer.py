@@ -2,7 +2,7 @@
 import sys
 import time
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 100
 for step in range(n):

@@ -36,9 +36,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddp_lesson import devices, launch, metrics, monitor, plots, runs  # noqa: E402
-from ddp_lesson.bundled import script  # noqa: E402
-from ddp_lesson.widgets import DevicePicker, RunPanel  # noqa: E402
+from ddp_lesson.launcher import devices, launch, monitor, runs  # noqa: E402
+from ddp_lesson.rank import metrics
+from ddp_lesson.notebook import plots
+from ddp_lesson.rank.bundled import script  # noqa: E402
+from ddp_lesson.notebook.widgets import DevicePicker, RunPanel  # noqa: E402
 
 SCRIPT = script("ddp_basic.py")
 BATCH = 64  # per rank, as in the figures measured before (the reference script's default is 32)
@@ -79,7 +81,7 @@ def timing_worker(steps, warmup=10):
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
-    from ddp_lesson import data, metrics, models
+    from ddp_lesson.rank import data, metrics, models
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -4,7 +4,7 @@ and all-reduce, and a two-term model that predicts the speed-up; all measured in
     python bench/scaling.py [--nprocs 1,2,4] [--quick] [--samples N] [--cpu] [--save FILE]
 
 One launch per rank count; what is measured and the model are described in
-ddp_lesson.scaling (notebook 06 uses the same code). `--save FILE` writes the rows and their
+ddp_lesson.launcher.scaling (notebook 06 uses the same code). `--save FILE` writes the rows and their
 provenance (date, cores, CPU model, load average at the start and the end, torch version) as
 JSON; notebook 06 prints bench/reference/scaling_cpu.json beside the learner's run, made by
     python bench/scaling.py --cpu --quick --nprocs 1,2,4 --save bench/reference/scaling_cpu.json
@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from ddp_lesson import scaling
+from ddp_lesson.launcher import scaling
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""A live world (ddp_lesson.world) against launching a script, side by side in one run:
+"""A live world (ddp_lesson.launcher.world) against launching a script, side by side in one run:
 
 1. launching a script: launch.start(bench/hello.py) until it has finished (torchrun,
    import torch, init_process_group, one all_reduce, exit) vs starting a world until every
@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from ddp_lesson import launch, world  # noqa: E402
+from ddp_lesson.launcher import launch, world  # noqa: E402
 
 
 def launch_script(nproc):

@@ -2,16 +2,15 @@
 
 The lessons live in notebooks/ and in the training scripts under rank/scripts/; this package
 only launches and supervises torchrun, reads runs back and draws them. It is three folders,
-one per world (docs/architecture.md): rank/ runs inside torchrun's processes, kernel/ starts,
-supervises and reads back runs, notebook/ draws and teaches. A module's short name imports
-too (`from ddp_lesson import launch`, `from ddp_lesson.widgets import RunPanel`): it is the
-same module object as its folder's name (ddp_lesson.kernel.launch).
+one per world (docs/architecture.md): rank/ runs inside torchrun's processes, launcher/ starts,
+supervises and reads back runs, notebook/ draws and teaches. Every module has one name, its
+path: `from ddp_lesson.launcher import launch`, `from ddp_lesson.notebook.widgets import RunPanel`.
 """
 import os
 import sys
 
 __version__ = "0.1.0"
-WORLDS = ("rank", "kernel", "notebook")   # one folder each; a module's world is its folder
+WORLDS = ("rank", "launcher", "notebook")   # one folder each; a module's world is its folder
 
 
 class BadInput(ValueError):
@@ -56,73 +55,3 @@ def load_ipython_extension(ipython):
     """`%load_ext ddp_lesson`: the %ranks / %%ranks magics of a live world (see magics.py)."""
     from .notebook.magics import register
     register(ipython)
-
-
-# Each module's short name and its world: `ddp_lesson.launch` is `ddp_lesson.kernel.launch`. One
-# list, written out so that an import looks nothing up on disk; tests/test_worlds.py checks that it
-# equals the folders' modules.
-_SHORT = {
-    **dict.fromkeys(("bundled", "chain", "costmodel", "data", "forked_rank", "guard", "knobs", "metrics",
-                     "models", "netns", "procs", "rundir", "scratch_check", "syncbn", "warm_ranks", "warm_server", "world_messages", "world_rank"),
-                    "rank"),
-    **dict.fromkeys(("checks", "devices", "doctor", "failures", "interrupts", "isolation", "launch", "monitor",
-                     "multinode", "runs", "scaling", "slurm", "spec", "stacks", "warm", "world"), "kernel"),
-    **dict.fromkeys(("capstone", "diagrams", "exercises", "lesson", "magics", "plots", "simulate",
-                     "syncbn_compare", "widgets"), "notebook"),
-}
-
-
-class _ShortNames:
-    """An import finder and loader: `ddp_lesson.launch` (and `ddp_lesson.diagrams.shapes`) is
-    imported as `ddp_lesson.kernel.launch`. The import system hands back what exec_module left
-    in sys.modules under the short name, the real module itself: both names are one object, so
-    a monkeypatch through either patches what runs. The spec carries the real file (origin), and
-    get_code hands over the real module's code, so `python -m ddp_lesson.guard` (the command an
-    older run directory's config.json records) runs ddp_lesson/rank/guard.py as __main__."""
-
-    def find_spec(self, name, path=None, target=None):
-        real = self.real(name)
-        if real is None:
-            return None
-        from importlib.machinery import ModuleSpec
-        from importlib.util import find_spec
-        found = find_spec(real)
-        if found is None:
-            return None
-        spec = ModuleSpec(name, self, origin=found.origin, is_package=found.submodule_search_locations is not None)
-        spec.has_location = found.has_location
-        if found.submodule_search_locations is not None:
-            spec.submodule_search_locations = list(found.submodule_search_locations)
-        return spec
-
-    @staticmethod
-    def real(name):
-        """The module's real name, or None where `name` is no short name."""
-        parts = name.split(".")
-        if parts[0] != __name__ or len(parts) < 2 or parts[1] not in _SHORT:
-            return None
-        return ".".join([parts[0], _SHORT[parts[1]], *parts[1:]])
-
-    def create_module(self, spec):
-        return None   # a placeholder module, replaced in exec_module
-
-    def exec_module(self, module):
-        import importlib
-        sys.modules[module.__name__] = importlib.import_module(self.real(module.__name__))
-
-    def get_code(self, name):
-        """What runpy runs for `python -m ddp_lesson.<short name>`: the real module's code."""
-        from importlib.util import find_spec
-        real = self.real(name)
-        return find_spec(real).loader.get_code(real)
-
-    def is_package(self, name):
-        from importlib.util import find_spec
-        return find_spec(self.real(name)).submodule_search_locations is not None
-
-
-# First in sys.meta_path, ahead of the file-system finder: a checkout upgraded by `git pull` from
-# the flat layout can keep a folder such as ddp_lesson/diagrams/ that holds only __pycache__, which
-# the file-system finder would import as an empty namespace package in place of the real module.
-if not any(type(f).__name__ == "_ShortNames" for f in sys.meta_path):
-    sys.meta_path.insert(0, _ShortNames())

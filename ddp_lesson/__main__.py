@@ -8,9 +8,9 @@ import signal
 import sys
 
 from . import BadInput
-from .kernel import checks, devices, failures, isolation, launch, monitor
+from .launcher import devices, failures, isolation, launch, monitor, validate
 from .rank.bundled import script
-from .kernel.spec import Nodes, Spec
+from .launcher.spec import Nodes, Spec
 
 EXIT = {"ok": 0, "failed": 1, "timeout": 1, "interrupted": 130}
 
@@ -127,7 +127,7 @@ def cmd_run(a, script_args):
 
 
 def cmd_demo(a):
-    epochs = checks.number("--epochs", a.epochs, 1)
+    epochs = validate.number("--epochs", a.epochs, 1)
     # notebook 03's script, the course's one reference loop; batch 64: half the steps of its default
     spec = Spec(script("ddp_basic.py"), devices.Request(a.nproc, a.gpus, a.cpu),
                 args=["--epochs", str(epochs), "--batch-size", "64"], label="demo", cold=a.cold)
@@ -135,7 +135,7 @@ def cmd_demo(a):
     print(f"demo: {epochs} epoch(s)", flush=True)
     code = supervise(run)
     if code == 0:
-        from .kernel.runs import load
+        from .launcher.runs import load
         rec = load(run.run_dir)
         s = rec.summary()
         acc = s["final_accuracy"]
@@ -145,14 +145,18 @@ def cmd_demo(a):
     return code
 
 
+def _interrupt(signum, frame):
+    """SIGTERM to this process ends the run like Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args = []
     if "--" in argv:
         i = argv.index("--")
         argv, script_args = argv[:i], argv[i + 1:]
-    # SIGTERM to this process ends the run like Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         a = build_parser().parse_args(argv)
         if a.command == "run":
@@ -160,14 +164,14 @@ def main(argv=None):
         if a.command == "demo":
             return cmd_demo(a)
         if a.command == "doctor":
-            from .kernel import doctor
+            from .launcher import doctor
             return doctor.main()
         if a.command == "slurm":
-            from .kernel import slurm
+            from .launcher import slurm
             print(slurm.from_flags(a, script_args), end="")
             return 0
         if a.command == "cleanup":
-            from .kernel import doctor
+            from .launcher import doctor
             return doctor.cleanup(dry_run=a.dry_run, everything=a.all)
     except BadInput as e:
         print(f"ddp_lesson: {e}", file=sys.stderr)

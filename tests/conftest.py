@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddp_lesson import procs, rundir
+from ddp_lesson.rank import procs, rundir
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -246,7 +246,7 @@ def runs_base():
 @pytest.fixture(scope="module")
 def world(runs_base):
     """One live world of the default rank count, shared by a module's tests."""
-    from ddp_lesson import world as world_mod
+    from ddp_lesson.launcher import world as world_mod
     w = world_mod.start(cpu=True, timeout=60)
     yield w
     w.stop()

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import launch, procs
+from ddp_lesson.launcher import launch
+from ddp_lesson.rank import procs
 from conftest import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,11 +55,11 @@ SETUP_CELL = """\
 import pathlib, shutil
 import ddp_lesson
 pathlib.Path("work").mkdir(exist_ok=True)
-from ddp_lesson.bundled import script
+from ddp_lesson.rank.bundled import script
 _ = shutil.copy(script("ddp_basic.py"), "work/train.py")
 """
 PANEL_CELL = """\
-from ddp_lesson.widgets import RunPanel, DevicePicker
+from ddp_lesson.notebook.widgets import RunPanel, DevicePicker
 panel = RunPanel("work/train.py", options={"epochs": 3}, picker=DevicePicker(),
                  metrics=("loss", "test_accuracy"))
 panel

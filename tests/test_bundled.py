@@ -1,4 +1,4 @@
-"""The shipped scripts, one folder per role (ddp_lesson.bundled): every name resolves to one
+"""The shipped scripts, one folder per role (ddp_lesson.rank.bundled): every name resolves to one
 file, a script imports another only from its own folder (a launch puts only that folder on
 sys.path; elsewhere it goes through bundled.script), and the package data ships them all."""
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import bundled
+from ddp_lesson.rank import bundled
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(p for p in bundled.ROOT.rglob("*.py"))
@@ -39,7 +39,7 @@ def test_a_script_imports_other_scripts_only_from_its_own_folder(path):
 def test_the_package_data_ships_every_script():
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     globs = data["ddp_lesson.rank"]   # the scripts sit in rank/, beside bundled.py
-    assert (REPO / "ddp_lesson" / "kernel" / "slurm_cluster.sh").exists() and data["ddp_lesson.kernel"] == ["slurm_cluster.sh"]
+    assert (REPO / "ddp_lesson" / "kernel" / "slurm_cluster.sh").exists() and data["ddp_lesson.launcher"] == ["slurm_cluster.sh"]
     for path in SHIPPED:
         rel = path.relative_to(bundled.ROOT.parent).as_posix()
         assert any(fnmatch.fnmatch(rel, g) and rel.count("/") == g.count("/") for g in globs), rel

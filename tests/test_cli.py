@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from conftest import SCRIPTS, child_env, cli, processes_under, wait_until
-from ddp_lesson import procs
+from ddp_lesson.rank import procs
 
 pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")  # warm, then cold
 

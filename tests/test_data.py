@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_lesson import data, launch, models, runs
-from ddp_lesson.bundled import script
+from ddp_lesson.rank import data, models
+from ddp_lesson.launcher import launch, runs
+from ddp_lesson.rank.bundled import script
 
 SCRIPT = script("ddp_basic.py")
 

@@ -1,4 +1,4 @@
-"""Device planning (`ddp_lesson.devices.plan`): which ranks a run gets, without CUDA.
+"""Device planning (`ddp_lesson.launcher.devices.plan`): which ranks a run gets, without CUDA.
 
 - with GPUs (a fake list passed as `available=`): one process per GPU, nccl,
   CUDA_VISIBLE_DEVICES with the physical ids in PCI bus order; a subset by `gpus=` as a
@@ -17,8 +17,9 @@ import warnings
 
 import pytest
 
-from ddp_lesson import BadInput, devices
-from ddp_lesson.devices import GPU, plan
+from ddp_lesson import BadInput
+from ddp_lesson.launcher import devices
+from ddp_lesson.launcher.devices import GPU, plan
 
 GPUS = [GPU(0, "Fake A100", 81920, 10), GPU(1, "Fake A100", 81920, 10),
         GPU(2, "Fake A100", 81920, 30000, processes=[(123, 29000)])]
@@ -159,7 +160,7 @@ def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
 # -- one number validator (issue 10/11) -------------------------------------------------------
 
 def test_launch_and_devices_say_the_same_sentence(tmp_path):
-    from ddp_lesson import launch
+    from ddp_lesson.launcher import launch
     with pytest.raises(BadInput) as a:
         plan(nproc="abc", available=[])
     with pytest.raises(BadInput) as b:
@@ -170,7 +171,7 @@ def test_launch_and_devices_say_the_same_sentence(tmp_path):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("nan")])
 def test_non_finite_timeouts_are_refused(tmp_path, value):
-    from ddp_lesson import launch
+    from ddp_lesson.launcher import launch
     with pytest.raises(BadInput) as err:
         launch.start(__file__, nproc=1, timeout=value, run_dir=tmp_path / "r")
     assert "--timeout must be a finite number" in one_sentence(err)
@@ -194,7 +195,7 @@ def test_one_description_of_a_plan():
 # -- one shape for the devices asked and the devices a run had (issue 33) ---------------------
 
 def test_a_request_holds_one_shape_whatever_was_passed():
-    from ddp_lesson.devices import Request
+    from ddp_lesson.launcher.devices import Request
     assert Request(gpus="0, 2") == Request(gpus=[0, 2]) == Request(nproc="2", gpus=("0", 2))
     assert Request(gpus="0,2").gpus == (0, 2) and Request(gpus="0,2").nproc == 2
     assert Request(nproc=3, gpus=[0, 1], cpu=True) == Request(nproc=3, cpu=True)   # cpu: gpus unused
@@ -216,7 +217,7 @@ def test_a_plan_gives_back_the_request_that_pins_it(asked):
 
 
 def test_config_devices_is_always_a_list(tmp_path):
-    from ddp_lesson import spec
+    from ddp_lesson.launcher import spec
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     cpu = spec.fields(spec.Spec(script), plan(nproc=2, cpu=True, available=GPUS))
@@ -339,5 +340,5 @@ def test_visible_ids_agrees_with_torch(visible, n, monkeypatch):
 
 
 def test_the_picture_uses_the_one_parser():
-    from ddp_lesson import diagrams
+    from ddp_lesson.notebook import diagrams
     assert diagrams.visible_ids is devices.visible_ids

@@ -10,9 +10,9 @@ import pytest
 import torch
 from matplotlib.colors import to_hex
 
-from ddp_lesson import diagrams
-from ddp_lesson.diagrams import batches, shapes
-from ddp_lesson.diagrams.shapes import DEVICE_COLOURS
+from ddp_lesson.notebook import diagrams
+from ddp_lesson.notebook.diagrams import batches, shapes
+from ddp_lesson.notebook.diagrams.shapes import DEVICE_COLOURS
 
 AR_RED, NO_SYNC_GREY = "#c44e52", "#808080"
 
@@ -249,7 +249,7 @@ def mutated(real, old=None, new=None):
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     module = types.ModuleType(real.__name__ + "_planted")
-    module.__package__ = "ddp_lesson.diagrams"
+    module.__package__ = "ddp_lesson.notebook.diagrams"
     exec(compile(source, Path(real.__file__).stem + "_planted.py", "exec"), module.__dict__)
     return module
 

@@ -12,9 +12,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import diagrams, launch
-from ddp_lesson.diagrams import collectives
-from ddp_lesson.diagrams.shapes import DEVICE_COLOURS
+from ddp_lesson.notebook import diagrams
+from ddp_lesson.launcher import launch
+from ddp_lesson.notebook.diagrams import collectives
+from ddp_lesson.notebook.diagrams.shapes import DEVICE_COLOURS
 
 
 def texts(fig):
@@ -260,7 +261,7 @@ def test_everything_is_exported():
 def measured_buffer_copies():
     """ddp_checks.py's buffer_copies on one gloo rank: DDP's own decision per forward."""
     import importlib.util
-    from ddp_lesson.bundled import script
+    from ddp_lesson.rank.bundled import script
     spec = importlib.util.spec_from_file_location("ddp_checks_for_test", script("ddp_checks.py"))
     checks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(checks)

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from ddp_lesson.diagrams import cuda_renumbering, process_tree, visible_ids
+from ddp_lesson.notebook.diagrams import cuda_renumbering, process_tree, visible_ids
 
 
 def texts(fig):

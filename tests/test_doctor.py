@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import processes_under, wait_until
-from ddp_lesson import doctor, launch, runs
+from ddp_lesson.launcher import doctor, launch, runs
 
 
 @pytest.mark.timeout(180)

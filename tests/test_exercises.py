@@ -1,4 +1,4 @@
-"""The exercise checkers of 03-05 (ddp_lesson.exercises), on hand-made run directories for
+"""The exercise checkers of 03-05 (ddp_lesson.notebook.exercises), on hand-made run directories for
 the ways a learner can get it wrong, and one real 2-rank launch of ex_syncbn.py: an answer that
 rebuilds the other ranks' x without communicating must fail. The notebooks run each checker on real runs, at 2 and
 (in CI) 3 ranks: on the starter and the solution (03 cell 03-ex5, 04 cell 04-ex5, at 2 ranks or more), and 05's on
@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from ddp_lesson import exercises
+from ddp_lesson.notebook import exercises
 
 
 def fake_run(path, world, rows, status="ok"):
@@ -139,7 +139,7 @@ def test_global_bn_rejects_an_answer_that_rebuilds_the_other_ranks_x(tmp_path):
 def test_ex_syncbn_rebuilding_the_other_ranks_x_fails_on_a_real_run(tmp_path):
     # the launched exercise, 2 ranks: an answer that rebuilds every rank's x from the same data
     # and conv, with no collective, misses the other ranks' secret shifts; the solution passes
-    from ddp_lesson.bundled import script
+    from ddp_lesson.rank.bundled import script
     starter = script("ex_syncbn.py").read_text()
     lines = "    mean = x.mean(dim=(0, 2, 3))\n    var = x.var(dim=(0, 2, 3), unbiased=False)\n"
     assert lines in starter
@@ -375,7 +375,7 @@ def _cuda_index(physical, visible, repeats_first=True, plant=None):
 def test_cuda_index_checker_tests_the_order_the_prompt_states():
     # 00's prompt: torch looks for repeats before it cuts the list, so "0,9,0" hides every
     # GPU while "0,x,0" shows GPU 0; the checker must hold an answer to both
-    from ddp_lesson import diagrams
+    from ddp_lesson.notebook import diagrams
     for visible in ("0,9,0", "0,x,0", "1,9,1", "0,9,1", "2,3,2"):
         want = diagrams.visible_ids(visible, 8)           # torch's parser (tests/test_diagrams_processes.py)
         for physical in range(8):

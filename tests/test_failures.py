@@ -4,7 +4,8 @@ runs in test_launch.py and test_cli.py."""
 import json
 import math
 
-from ddp_lesson import failures, metrics, rundir, runs, slurm, stacks
+from ddp_lesson.launcher import failures, runs, slurm, stacks
+from ddp_lesson.rank import metrics, rundir
 from ddp_lesson import BadInput
 
 import pytest

@@ -325,7 +325,7 @@ def test_a_distributed_rank_exits_with_its_status_and_prints_no_warnings(tmp_pat
 @pytest.mark.timeout(60)
 def test_a_rank_tells_where_it_is_on_sigusr1(tmp_path, write_script):
     """What the launcher uses to say where each rank was when a run timed out."""
-    from ddp_lesson import stacks
+    from ddp_lesson.launcher import stacks
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "script.py").write_text("import time\nprint('ready', flush=True)\nwhile True:\n    time.sleep(0.1)\n")

@@ -33,8 +33,8 @@ PROFILE_D = Path("/etc/profile.d/ddp-lesson-hubtest.sh")
 SETUP = """
 import json, os, sys, time
 from pathlib import Path
-from ddp_lesson import launch, world
-from ddp_lesson.lesson import script, work_dir
+from ddp_lesson.launcher import launch, world
+from ddp_lesson.notebook.lesson import script, work_dir
 import torch, matplotlib.pyplot    # what notebook 00's first cells load
 work_dir()     # ./work, beside the notebook: the scripts a learner edits
 print(json.dumps({"cwd": os.getcwd(), "cores": sorted(os.sched_getaffinity(0)), "uid": os.getuid(),
@@ -284,8 +284,8 @@ def test_server_stop_leaves_nothing_and_spares_the_others(room, session):
 READ_ONLY = """
 import json, os, sys
 from pathlib import Path
-from ddp_lesson import launch       # every notebook's first code cell imports ddp_lesson
-from ddp_lesson.lesson import work_dir
+from ddp_lesson.launcher import launch       # every notebook's first code cell imports ddp_lesson
+from ddp_lesson.notebook.lesson import work_dir
 work_dir()
 Path("work/ro.py").write_text("import os; print('ran in', os.getcwd())\\n")   # as a %%writefile cell does
 run = launch.start(Path("work/ro.py"), nproc=1, cpu=True, cold=True, timeout=120)

@@ -1,4 +1,4 @@
-"""ddp_lesson.interrupts: waiting on an Event from a thread where Ctrl-C can come.
+"""ddp_lesson.launcher.interrupts: waiting on an Event from a thread where Ctrl-C can come.
 
 conftest.signal_points delivers SIGINT (raising KeyboardInterrupt) at each point, in turn,
 where CPython (3.10-3.13) would; after each, another thread must still be able to set the event.
@@ -9,7 +9,7 @@ import signal
 import threading
 
 from conftest import signal_points
-from ddp_lesson import interrupts
+from ddp_lesson.launcher import interrupts
 
 
 def leaves_the_event_locked(wait):

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from ddp_lesson import isolation, launch, rundir
-from ddp_lesson.lesson import work_dir
+from ddp_lesson.launcher import isolation, launch
+from ddp_lesson.rank import rundir
+from ddp_lesson.notebook.lesson import work_dir
 
 OTHER = "ddplesson-other"
 PROBE_PYTHON = "/usr/bin/python3"   # the other user's own interpreter: it needs no torch
@@ -206,7 +207,7 @@ def test_doctor_counts_other_users_and_gives_a_fair_share(other_user):
     doctor names one other user and halves this learner's share of cores and memory."""
     import io
 
-    from ddp_lesson import devices, doctor
+    from ddp_lesson.launcher import devices, doctor
     before = len(doctor.other_users())
     other = subprocess.Popen([PROBE_PYTHON, "-c", "import time; time.sleep(60)", "-m", "ddp_lesson.rank.warm_server"],
                              user=other_user, group=pwd.getpwnam(other_user).pw_gid, extra_groups=[])

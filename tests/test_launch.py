@@ -1,4 +1,4 @@
-"""Reliability of the launcher (`ddp_lesson.launch`) with real torchrun process trees.
+"""Reliability of the launcher (`ddp_lesson.launcher.launch`) with real torchrun process trees.
 
 Every test starts a real `torchrun` with 2 gloo ranks on CPU and checks what a learner
 relies on:
@@ -44,10 +44,11 @@ import psutil
 import pytest
 
 from conftest import REPO, SCRIPTS, child_env, processes_under, wait_until
-from ddp_lesson import devices, launch, procs, rundir, runs, spec
+from ddp_lesson.launcher import devices, launch, runs, spec
+from ddp_lesson.rank import procs, rundir
 
 pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")
-from ddp_lesson.bundled import script
+from ddp_lesson.rank.bundled import script
 
 RESUME = script("resume.py")
 FIRST_RUN = script("first_run.py")
@@ -347,7 +348,7 @@ def test_interrupt_during_wait_stops_the_run(tmp_run_dir, kernel_sigint):
 
 LAUNCHER = """
 import sys, time
-from ddp_lesson import launch
+from ddp_lesson.launcher import launch
 run = launch.start(sys.argv[1], nproc=2, run_dir=sys.argv[2])
 print(run.pid, flush=True)
 time.sleep(600)

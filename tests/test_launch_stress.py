@@ -22,7 +22,8 @@ import time
 import pytest
 
 from conftest import SCRIPTS, child_env, processes_under, wait_until
-from ddp_lesson import guard, launch
+from ddp_lesson.rank import guard
+from ddp_lesson.launcher import launch
 
 pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")  # warm, then cold
 
@@ -86,7 +87,7 @@ def test_twenty_interrupts_leave_nothing(tmp_path, kernel_sigint):
 LAUNCHER = """
 import os, sys
 os.sched_setaffinity(0, {int(sys.argv[4])})
-from ddp_lesson import launch
+from ddp_lesson.launcher import launch
 run = launch.start(sys.argv[1], nproc=int(sys.argv[3]), cpu=True, run_dir=sys.argv[2],
                    args=sys.argv[5:])
 print(run.pid, flush=True)

@@ -1,8 +1,9 @@
-"""The notebooks' shared helpers (ddp_lesson.lesson)."""
+"""The notebooks' shared helpers (ddp_lesson.notebook.lesson)."""
 
 import pytest
 
-from ddp_lesson import bundled, lesson
+from ddp_lesson.rank import bundled
+from ddp_lesson.notebook import lesson
 
 VERDICT = """
 import json, os
@@ -47,7 +48,7 @@ def test_verdict_reads_the_json_or_says_why_the_check_failed(tmp_path, monkeypat
 FIRST = """
 import argparse, json, os
 from pathlib import Path
-from ddp_lesson import chain
+from ddp_lesson.rank import chain
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
     chain.add_then(p)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson.bundled import script
+from ddp_lesson.rank.bundled import script
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "03c_averaging_in_ddp.ipynb"
@@ -122,7 +122,8 @@ def test_script_seeds_and_evaluates_as_notebook_03s():
 def test_script_model_has_no_buffers_so_ddp_forward_sends_nothing(monkeypatch):
     # 03c says: SmallCNN(norm=False) has no buffers, so loss_averaging.py's test forwards through
     # DDP send nothing; with BatchNorm, as in 03's script, the first forward after training would
-    from ddp_lesson import launch, models
+    from ddp_lesson.launcher import launch
+    from ddp_lesson.rank import models
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     assert "models.SmallCNN(norm=False, width=8)" in script("loss_averaging.py").read_text()
@@ -221,7 +222,8 @@ MISTAKE = ("            loss.backward()                        # DDP: the gradie
 
 
 def test_gradient_check_rejects_the_real_mistake_on_2_ranks(tmp_path):
-    from ddp_lesson import data, launch, models, runs
+    from ddp_lesson.rank import data, models
+    from ddp_lesson.launcher import launch, runs
     from torch.utils.data.distributed import DistributedSampler as Sampler
     text = script("loss_averaging.py").read_text()
     assert MISTAKE[0] in text
@@ -271,7 +273,7 @@ def test_tf32_rounding_moves_smallcnn_outputs_well_inside_the_near_tie_margin():
     # 03c's accuracy check allows, on GPUs, the near-ties: top two outputs closer than 0.3% of the
     # largest output. Emulated TF32 (inputs of each convolution rounded to 10 mantissa bits) must
     # move the outputs by far less than half that margin, or a non-tie could flip.
-    from ddp_lesson import data, models
+    from ddp_lesson.rank import data, models
     assert torch.backends.cudnn.allow_tf32                       # the default the notebook names
 
     def tf32(t):
@@ -412,7 +414,7 @@ def test_rank_loss_checker_names_the_missing_world_size_factor():
 def test_join_run_ends_with_join_and_times_out_without(tmp_path, planted):
     # 03c's Join run on 2 real gloo ranks; planted: the `with model.join():` taken out, so the
     # second part is as uneven as the first and must fail on rank 1 (a timeout, not a hang)
-    from ddp_lesson import launch, runs
+    from ddp_lesson.launcher import launch, runs
     text = script("join_uneven.py").read_text()
     assert "    with model.join():" in text
     path = tmp_path / "join_uneven.py"

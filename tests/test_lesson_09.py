@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import costmodel, exercises, launch
-from ddp_lesson.lesson import load_script, script
+from ddp_lesson.rank import costmodel
+from ddp_lesson.notebook import exercises
+from ddp_lesson.launcher import launch
+from ddp_lesson.notebook.lesson import load_script, script
 
 WORLD = 3
 STEPS = 2

@@ -1,6 +1,6 @@
 """Notebook 10's compile, sharding and checkpoint checks at a world size the notebook does not
 run (it runs at DDP_LESSON_NPROC, 2 in CI): 3 gloo CPU ranks, a real torchrun launch through
-ddp_lesson.launch, the smallest runs that can fail (2-3 steps). As in the notebook, one launch
+ddp_lesson.launcher.launch, the smallest runs that can fail (2-3 steps). As in the notebook, one launch
 runs the scripts in turn in the same ranks (--then, ddp_lesson/rank/chain.py): beyond_amp.py with
 its all-reduce planted away (no_sync() over every micro-batch: the ranks really differ, and the
 amp check must say so), compile, shard, then the DCP save; the checkpoint is then loaded at
@@ -30,8 +30,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import chain, launch
-from ddp_lesson.lesson import load_script, script
+from ddp_lesson.rank import chain
+from ddp_lesson.launcher import launch
+from ddp_lesson.notebook.lesson import load_script, script
 
 WORLD = 3
 STEPS = 2
@@ -219,7 +220,7 @@ def test_compile_graphs_per_bucket_and_ddp_rebuilt_buckets(launched):
 
 
 CHAIN_BODY = '''import argparse
-from ddp_lesson import chain
+from ddp_lesson.rank import chain
 import chain10_log
 def parse_args(argv=None):
     p = argparse.ArgumentParser()

@@ -21,8 +21,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import child_env
-from ddp_lesson import capstone, exercises, failures, launch, runs
-from ddp_lesson.lesson import load_script, script
+from ddp_lesson.notebook import capstone, exercises
+from ddp_lesson.launcher import failures, launch, runs
+from ddp_lesson.notebook.lesson import load_script, script
 
 pytestmark = pytest.mark.timeout(600)   # three small launches, two at once; a busy machine slows each
 gpt = load_script(script("gpt_ddp.py"))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddp_lesson import simulate
+from ddp_lesson.notebook import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ["00_start_here.ipynb", "01_data_parallel.ipynb", "02_loss_averaging.ipynb"]
@@ -43,7 +43,7 @@ def test_exercise_with_checker_and_solution(name):
 
 # -- 00: the fast path, its script, the lesson text and the glossary ------------------------
 
-from ddp_lesson.lesson import load_script, script  # noqa: E402
+from ddp_lesson.notebook.lesson import load_script, script  # noqa: E402
 
 FIRST_RUN = script("first_run.py")
 
@@ -179,7 +179,7 @@ def test_a_diverged_run_does_not_say_ok():
     # title and status line must not say "ok"
     from pathlib import Path as P
     from types import SimpleNamespace
-    from ddp_lesson.kernel import monitor
+    from ddp_lesson.launcher import monitor
     run = SimpleNamespace(config={"nproc": 2, "backend": "gloo", "label": "first_run"}, elapsed=3.0,
                           run_dir=P("r"), result={"status": "ok", "duration_s": 3.0})
     good = [{"rank": r, "step": s, "loss": 20.0 / (s + 1)} for s in range(30) for r in range(2)]
@@ -231,7 +231,7 @@ def _weights_explained_in_a_comment(batch, n_devices):
 
 
 def test_02_checker_accepts_the_prediction_and_refuses_autograd():
-    from ddp_lesson.exercises import check_weights
+    from ddp_lesson.notebook.exercises import check_weights
     assert check_weights(_mean_of_means_weights)
     assert check_weights(_weights_explained_in_a_comment)     # names in comments and strings do not count
     for planted in (_weights_via_autograd, _weights_via_hidden_autograd, _weights_via_func_grad,
@@ -249,7 +249,7 @@ def test_00_check_says_why_the_weights_differ_without_the_all_reduce(tmp_path):
     # step 6 of 00: the learner deletes the all_reduce line and runs the check cell; it fails on
     # the weights with one sentence naming the step and the cause, not a bare tuple
     from types import SimpleNamespace
-    from ddp_lesson import launch
+    from ddp_lesson.launcher import launch
 
     text = FIRST_RUN.read_text()
     line = next(l for l in text.splitlines(keepends=True) if "dist.all_reduce(p.grad)" in l)
@@ -480,7 +480,7 @@ def test_00_doctor_keeps_a_failed_smoke_run_and_shows_the_failing_rank(tmp_path,
     # folder was deleted. Planted: rank 1 raises; doctor must keep the folder and show the traceback.
     import io
     import shutil
-    from ddp_lesson.kernel import doctor
+    from ddp_lesson.launcher import doctor
     planted = tmp_path / "allreduce_check.py"
     planted.write_text("import os\nif os.environ['RANK'] == '1':\n"
                        "    raise RuntimeError('planted failure on rank 1')\n")

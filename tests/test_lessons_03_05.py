@@ -37,8 +37,9 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import launch, syncbn_compare
-from ddp_lesson.bundled import script
+from ddp_lesson.launcher import launch
+from ddp_lesson.notebook import syncbn_compare
+from ddp_lesson.rank.bundled import script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,7 +91,7 @@ def test_launch_use_env_variant():
 
 def test_convert_sync_batchnorm_follows_where_the_model_lives(monkeypatch):
     import torch
-    from ddp_lesson import models, syncbn
+    from ddp_lesson.rank import models, syncbn
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a GPU machine, CPU ranks
     model = syncbn.convert_sync_batchnorm(models.SmallCNN())
     kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
@@ -378,7 +379,7 @@ def test_03_loss_climb_comes_from_the_lr_not_from_ddp(tmp_path):
     # 03 says the loss may climb above its start in the first steps, and that train_single.py,
     # one process without DDP, climbs too at 03's settings (lr 0.05, batch 32): the lr overshoots.
     # At a quarter of that lr the same steps, from the same start, do not climb far.
-    from ddp_lesson import runs
+    from ddp_lesson.launcher import runs
     started = {lr: launch.start(script("train_single.py"), nproc=1, cpu=True, run_dir=tmp_path / str(lr),
                                 args=["--epochs", "1", "--batch-size", "32", "--train-samples", "512",
                                       "--lr", str(lr)])
@@ -447,7 +448,7 @@ def test_03b_buffer_rule_is_short_in_the_lesson_and_exact_in_its_fold():
 
 def _all_ok(started, timeout):
     """Wait for every run of {name: run} to end ok (its stderr tail if not); stop them all anyway."""
-    from ddp_lesson import runs
+    from ddp_lesson.launcher import runs
     try:
         for name, run in started.items():
             result = run.wait(timeout=timeout)
@@ -461,7 +462,7 @@ def test_ddp_basic_without_its_course_lines_trains_the_same(tmp_path):
     # its docstring and 03 say the `# course` lines are not needed: without them (no StepTimer,
     # so DDP's built-in all-reduce) the script runs and ends with the same weights, to float rounding
     import torch
-    from ddp_lesson import runs
+    from ddp_lesson.launcher import runs
     from ddp_lesson.notebook import lesson
     full = script("ddp_basic.py")
     plain = tmp_path / "plain.py"
@@ -499,7 +500,7 @@ def test_course_false_counts_both_scripts_hidden_lines_and_the_ones_gone(capsys,
 def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():
     # it replaces BatchNorm1d/2d/3d alike: eval() must still accept their 2D..5D inputs
     import torch
-    from ddp_lesson import syncbn
+    from ddp_lesson.rank import syncbn
     for bn, x in ((torch.nn.BatchNorm1d(4), torch.randn(5, 4)), (torch.nn.BatchNorm1d(4), torch.randn(5, 4, 3)),
                   (torch.nn.BatchNorm2d(4), torch.randn(2, 4, 3, 3)), (torch.nn.BatchNorm3d(4), torch.randn(2, 4, 2, 2, 2))):
         model = syncbn.convert_sync_batchnorm(torch.nn.Sequential(bn)).eval()
@@ -517,7 +518,7 @@ def test_cpu_syncbn_trains_without_running_stats_and_without_a_warning():
     import torch.distributed as dist
     from torch import nn
 
-    from ddp_lesson import syncbn
+    from ddp_lesson.rank import syncbn
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for track in (True, False):
@@ -630,7 +631,7 @@ def test_window_rows_and_first_bn_picture_at_one_rank(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from ddp_lesson import models
+    from ddp_lesson.rank import models
     monkeypatch.syspath_prepend(str(script("accum_nosync.py").parent))
     import accum_nosync
     import syncbn_stats
@@ -681,7 +682,7 @@ def _set_epoch_run(path, shards_per_epoch, n):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_set_epoch_checker_compares_every_pair_of_epochs(tmp_path, world):
     import torch
-    from ddp_lesson import exercises
+    from ddp_lesson.notebook import exercises
     n, epochs = 96, 3
     # the notebook's solution: a permutation from seed + epoch, every world-th index from the rank
     solution = [[torch.randperm(n, generator=torch.Generator().manual_seed(e)).tolist()[r::world]
@@ -719,7 +720,7 @@ def test_step_timer_is_the_models_one_comm_hook(monkeypatch):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from ddp_lesson import metrics
+    from ddp_lesson.rank import metrics
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -743,7 +744,8 @@ def test_step_timer_is_the_models_one_comm_hook(monkeypatch):
 def test_04_step_by_step_check_rejects_a_script_that_never_converts(tmp_path):
     # 04 cell 04-11 always compares a CPU run with section 1's reference runs; here its check
     # meets ddp_syncbn.py with the conversion planted out: --sync-bn then trains plain BN.
-    from ddp_lesson import plots, runs
+    from ddp_lesson.notebook import plots
+    from ddp_lesson.launcher import runs
     opts = ["--epochs", "1", "--batch-size", "4", "--lr", "0.02", "--train-samples", "64", "--seed", "0"]
     text = script("ddp_syncbn.py").read_text()
     convert = "    if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP\n"
@@ -813,7 +815,7 @@ def test_04_lesson_text_says_what_the_curve_check_asserts_and_the_draw_order():
 @pytest.mark.parametrize("mistake", [None, "two seeds", "no set_epoch"])
 def test_03_shard_check_rejects_a_seed_per_rank_and_a_missing_set_epoch(tmp_path, mistake):
     # 03 cell 03-06 checks the shards ddp_basic.py logs; here it meets each mistake, planted
-    from ddp_lesson import runs
+    from ddp_lesson.launcher import runs
     text = script("ddp_basic.py").read_text()
     old, new = {None: ("", ""),
                 "two seeds": ("seed=args.seed)  # DDP: a shard", "seed=args.seed + rank)  # DDP: a shard"),
@@ -865,7 +867,7 @@ def test_03b_timeline_cell_fails_on_planted_wrong_results(monkeypatch, tmp_path)
         return json.loads((tmp_path / "ddp_checks.json").read_text())
 
     def run_cell(dc):
-        from ddp_lesson import diagrams
+        from ddp_lesson.notebook import diagrams
         exec(source, {"written": lambda run, name: dc, "ddp_run": None, "show": lambda fig: None,
                       "diagrams": diagrams})
 

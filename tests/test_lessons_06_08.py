@@ -35,10 +35,10 @@ def test_checked_with_an_exercise(name):
 
 
 def test_06_quotes_the_blog_figures_that_scaling_holds():
-    """06's first cell states the posts' times and speed-ups; ddp_lesson.scaling holds the same
+    """06's first cell states the posts' times and speed-ups; ddp_lesson.launcher.scaling holds the same
     times, and the speed-ups are recomputed from them (a typo in either fails here)."""
     import re
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     top = "".join(cells(NOTEBOOKS[0])[0]["source"])
     wz = re.search(r"\*\*([\d., and]+) s per epoch on ([\d, and]+) GPUs\*\* \(a speed-up of ([\dx., ]+)\)", top)
     times = [float(t) for t in re.split(r", | and ", wz.group(1))]
@@ -69,9 +69,9 @@ def test_07_detail_debug_crashes_ddp_on_gloo(level, crashes, tmp_path):
         assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]
 
 
-# -- 06: the checks that hold on a crowded machine (ddp_lesson.scaling.check), each with a planted bug --
+# -- 06: the checks that hold on a crowded machine (ddp_lesson.launcher.scaling.check), each with a planted bug --
 def _rows(cpu=(0.008, 0.008, 0.008), share=(1.0, 0.95, 0.45), cores=2):
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     rows = []
     for n, c, s in zip((1, 2, 4), cpu, share):
         rows.append({"nproc": n, "steps": 128 // n, "step_s": 0.010 * (1 if n <= cores else 2), "compute_s": c / s,
@@ -81,7 +81,7 @@ def _rows(cpu=(0.008, 0.008, 0.008), share=(1.0, 0.95, 0.45), cores=2):
 
 
 def test_06_scaling_check_passes_a_sound_measurement():
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     assert scaling.check(_rows(), cores=2) == [4]        # 4 ranks on 2 cores: contended, and said so
 
 
@@ -89,7 +89,7 @@ def test_06_scaling_check_passes_a_sound_measurement():
 def test_06_scaling_check_fails_a_wrong_model_planted_inside_analyse(plant, monkeypatch):
     """A wrong model inside analyse itself, not a speed-up overwritten after it: check recomputes
     the model's speed-up from its two measured parts and catches it."""
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     wrong = {"perfect scaling": lambda r: 0.008,                # every step as long as one rank's: n times faster
              "no all-reduce term": lambda r: r["compute_max_s"]}[plant]
     monkeypatch.setattr(scaling, "model_step", wrong)
@@ -105,7 +105,7 @@ def test_06_scaling_check_fails_a_wrong_model_planted_inside_analyse(plant, monk
     ("oversubscribed unseen", "yet each got"),            # 4 ranks on 2 cores, each with a full core?
 ])
 def test_06_scaling_check_fails_a_planted_bug(plant, words):
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     rows = _rows(cpu=(0.008, 0.008, 0.016) if plant == "work grew with n" else (0.008,) * 3,
                  share=(1.0, 0.95, 0.95) if plant == "oversubscribed unseen" else (1.0, 0.95, 0.45))
     if plant == "oversubscribed unseen":   # and every DDP step ran on a core the whole time
@@ -129,7 +129,7 @@ def test_06_solution_cells_do_not_grade_the_learners_cell():
 
 # -- 07: the exercise's checker follows its spec: None where no rank raised --
 def test_07_first_failure_checker_takes_the_spec_and_rejects_wrong_answers():
-    from ddp_lesson.exercises import check_first_failure
+    from ddp_lesson.notebook.exercises import check_first_failure
     crashed = {"status": "failed", "failure": {"rank": 1, "message": "RuntimeError: boom\nmore", "exitcode": 1}}
     timed_out = {"status": "timeout", "failure": None}
     no_key = {"status": "timeout"}
@@ -145,7 +145,7 @@ def test_07_first_failure_checker_takes_the_spec_and_rejects_wrong_answers():
 
 # -- 08: the checkers judge what the exercise asks --
 def test_08_check_ranks_takes_any_right_rule_and_no_hard_coded_size():
-    from ddp_lesson.exercises import check_ranks
+    from ddp_lesson.notebook.exercises import check_ranks
     right = lambda n, l, p: n * p + l
     assert check_ranks(right, lambda env: f"cuda:{int(env['LOCAL_RANK'])}")
     assert check_ranks(right, lambda env: f"cuda:{int(env['RANK']) % int(env['LOCAL_WORLD_SIZE'])}")
@@ -157,8 +157,8 @@ def test_08_check_ranks_takes_any_right_rule_and_no_hard_coded_size():
 
 
 def test_08_check_job_runs_the_script_and_rejects_near_misses():
-    from ddp_lesson import slurm
-    from ddp_lesson.exercises import check_job
+    from ddp_lesson.launcher import slurm
+    from ddp_lesson.notebook.exercises import check_job
     good = slurm.sbatch_script("ddp_basic.py", nodes=4, gpus_per_node=8, partition="gpu",
                                env={"NCCL_SOCKET_IFNAME": "ib0"}, args=["--epochs", "10"])
     assert check_job(good)
@@ -202,7 +202,7 @@ def run_cell(name, cid, ns):
 
 def _idle_rows(speedup2=1.8, step_cpu2=None):
     """1 and 2 ranks on an idle 2-core machine: each rank a core of its own, all-reduce small."""
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     rows = []
     for n in (1, 2):
         step = 0.008 if n == 1 else 2 * 0.008 / speedup2
@@ -213,7 +213,7 @@ def _idle_rows(speedup2=1.8, step_cpu2=None):
 
 
 def test_06_wall_clock_is_read_per_launch_on_an_idle_two_core_machine():
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     assert scaling.wall_launches(_idle_rows()) == [1, 2]           # 1 and 2 ranks are read
     assert scaling.wall_launches(_rows()) == [1, 2]                # 4 ranks on 2 cores: contended, skipped
 
@@ -222,7 +222,7 @@ def test_06_wall_clock_is_read_per_launch_on_an_idle_two_core_machine():
 def test_06_wall_verdict_is_printed_from_the_runs_own_numbers(speedup2, model_within, faster):
     """The model against the wall clock is a printed verdict, not an assert: it says what the run's
     numbers say, the rest of the step included (the model here predicts 2 * 7.5 / 7.8 = 1.92x)."""
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     rows = _idle_rows(speedup2=speedup2)
     line, = scaling.wall_verdict(rows, cores=2)
     assert ("the model is within 50%" in line) == model_within
@@ -233,7 +233,7 @@ def test_06_wall_verdict_is_printed_from_the_runs_own_numbers(speedup2, model_wi
 def test_06_a_negative_rest_is_not_called_ddps_work():
     """compute timed longer than the whole step (the crowd changed in between): the rest is negative,
     and the line says so instead of calling it what the terms leave out."""
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     rows = _idle_rows(speedup2=2.4)           # 2-rank step 6.7 ms, below compute + all-reduce, 7.8 ms
     assert rows[1]["rest_s"] < 0
     assert "negative" in scaling.rest_note(rows[1]) and "leave out" not in scaling.rest_note(rows[1])
@@ -243,7 +243,7 @@ def test_06_a_negative_rest_is_not_called_ddps_work():
 def test_06_the_shipped_reference_passes_the_notebooks_own_cells():
     """06 runs check, wall_launches and wall_verdict on the reference too; none of them may stop
     Run All on a machine that looks like the reference's."""
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     rows, prov = scaling.load_reference()
     assert scaling.check(rows, prov["cores"]) == [4]
     assert scaling.wall_launches(rows) == [1, 2]
@@ -253,7 +253,7 @@ def test_06_the_shipped_reference_passes_the_notebooks_own_cells():
 def test_06_a_launch_whose_ranks_waited_in_the_ddp_steps_is_contended_and_not_read():
     """The 2-rank launch computed on a core of its own but ran 60% of its DDP steps' wall time:
     contended, so its wall clock (a bad speed-up here) is not read."""
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     rows = _idle_rows(speedup2=0.9, step_cpu2=0.6 * 2 * 0.008 / 0.9)
     assert rows[1]["contended"] and scaling.wall_launches(rows) == [1]
     assert "not read" in scaling.wall_verdict(rows, cores=2)[0]
@@ -264,7 +264,7 @@ def test_06_one_bucket_check_fails_for_a_model_with_two_buckets():
     more than the first bucket's 1 MiB of gradients gets two, so the same assert would fail."""
     import torch
     import torch.distributed as dist
-    from ddp_lesson import models
+    from ddp_lesson.rank import models
     caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024]
     for model, want in ((models.SmallCNN(), 1), (torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.Linear(512, 1024)), 2)):
         params = list(model.parameters())
@@ -359,7 +359,7 @@ def test_07_guarded_tree_check_needs_each_rank_and_one_agent(ranks, agents, ok):
 def test_06_reference_file_keeps_its_provenance_and_is_reread_by_todays_code(tmp_path):
     """bench/scaling.py --save: rows and where/when/under what load; 06 prints both. The shipped
     file says whether the machine was crowded (its load average against its cores)."""
-    from ddp_lesson import scaling
+    from ddp_lesson.launcher import scaling
     start = scaling.provenance()
     prov = scaling.provenance(start, argv=["bench/scaling.py", "--cpu"])
     assert {"date", "cores", "cpu_model", "load_start", "load_end", "torch", "command"} <= set(prov)

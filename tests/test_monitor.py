@@ -4,11 +4,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from ddp_lesson import launch, monitor, runs
+from ddp_lesson.launcher import launch, monitor, runs
+from ddp_lesson.notebook import panel_state
 
 STEPS = """
 import os
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 rank = int(os.environ["RANK"])
 for step in range(1, 4):
     metrics.log(step, loss=1.0 / step)
@@ -67,16 +68,16 @@ def test_the_status_lines_read_the_rows_they_are_given():
 
 
 def test_frame_clock_throttles_and_always_draws_a_changed_final_frame():
-    clock = monitor.FrameClock()
+    clock = panel_state.FrameClock()
     assert clock.due(5, "t")                   # nothing drawn yet
     clock.drawn(5, "t", seconds=0.001)
     assert not clock.due(5, "t")               # nothing new
     assert not clock.due(9, "t")               # new points, but too soon after the last frame
-    time.sleep(monitor.MIN_FRAME_S)
+    time.sleep(panel_state.MIN_FRAME_S)
     assert clock.due(9, "t")
     assert not clock.due(5, "t", final=True)   # the final frame is what was drawn
     assert clock.due(5, "t: ok", final=True)   # ... but not with the ended title
-    slow = monitor.FrameClock()
+    slow = panel_state.FrameClock()
     slow.drawn(1, "t", seconds=1.0)            # a slow frame: the next waits longer
-    time.sleep(monitor.MIN_FRAME_S)
+    time.sleep(panel_state.MIN_FRAME_S)
     assert not slow.due(2, "t")

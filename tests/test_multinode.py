@@ -1,8 +1,9 @@
 """Two torchrun agents on this machine as two nodes (c10d rendezvous on 127.0.0.1)."""
 import pytest
 
-from ddp_lesson import BadInput, launch, multinode
-from ddp_lesson.bundled import script
+from ddp_lesson import BadInput
+from ddp_lesson.launcher import launch, multinode
+from ddp_lesson.rank.bundled import script
 from pathlib import Path
 
 SCRIPT = script("rank_table.py")

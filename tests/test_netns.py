@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import failures, launch, multinode
-from ddp_lesson.bundled import script
+from ddp_lesson.launcher import failures, launch, multinode
+from ddp_lesson.rank.bundled import script
 
 SCRIPT = script("nic_check.py")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson.bundled import script
+from ddp_lesson.rank.bundled import script
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "notebooks.py"

@@ -5,8 +5,9 @@ import inspect
 import pytest
 from matplotlib.figure import Figure
 
-from ddp_lesson import plots, runs
-from ddp_lesson.rundir import write_json
+from ddp_lesson.notebook import plots
+from ddp_lesson.launcher import runs
+from ddp_lesson.rank.rundir import write_json
 
 
 def make_run(path, rows, status="ok", duration=10.0, nproc=2, label=None):

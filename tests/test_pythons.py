@@ -19,7 +19,7 @@ from conftest import REPO, child_env
 
 LAUNCHER = """
 import json, sys
-from ddp_lesson import launch
+from ddp_lesson.launcher import launch
 run = launch.start(sys.argv[1], nproc=1, cpu=True, timeout=120)
 result = run.wait()
 print(json.dumps({"executable": sys.executable, "launch": run.config["launch"], "status": result["status"]}))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import metrics, rundir
+from ddp_lesson.rank import metrics, rundir
 
 PACKAGE = Path(rundir.__file__).parents[1]   # ddp_lesson/, whose rank/ holds rundir.py
 NAMES = ("config.json", "result.json", "script.py", "agent.log", "agent.failures.json", ".jsonl",

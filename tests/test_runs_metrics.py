@@ -10,7 +10,7 @@
 - `failures.root_cause` picks the first failing rank, not the ranks torn down after it,
   both when ranks raised (error files) and when one was killed by a signal (torchrun's
   summary), and `describe` explains -9 as memory;
-- a script using ddp_lesson.metrics also runs under plain
+- a script using ddp_lesson.rank.metrics also runs under plain
   `python -m torch.distributed.run` without the launcher, writing nothing.
 """
 import json
@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, child_env
-from ddp_lesson import failures, metrics, rundir, runs
+from ddp_lesson.launcher import failures, runs
+from ddp_lesson.rank import metrics, rundir
 
 
 @pytest.fixture
@@ -216,7 +217,7 @@ def test_explanations():
 
 @pytest.mark.timeout(120)
 def test_script_runs_under_plain_torchrun(tmp_path):
-    """ddp_lesson.metrics is optional plumbing: a plain torchrun run works and
+    """ddp_lesson.rank.metrics is optional plumbing: a plain torchrun run works and
     writes no run directory."""
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", str(SCRIPTS / "contract.py"), "--steps", "2"],
@@ -268,7 +269,7 @@ def test_listening_ports_are_psutils_without_psutil():
 
     import psutil
 
-    from ddp_lesson import metrics
+    from ddp_lesson.rank import metrics
     held = [socket.socket(), socket.socket(socket.AF_INET6)]
     try:
         held[0].bind(("127.0.0.1", 0))

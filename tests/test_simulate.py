@@ -1,4 +1,4 @@
-"""ddp_lesson.simulate against a single-device forward/backward (always) and against the
+"""ddp_lesson.notebook.simulate against a single-device forward/backward (always) and against the
 real nn.DataParallel (only where two or more CUDA GPUs exist)."""
 import copy
 import warnings
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_lesson import simulate
+from ddp_lesson.notebook import simulate
 
 
 def make_model(seed=0, norm=False):

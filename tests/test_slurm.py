@@ -1,6 +1,6 @@
 """The generated sbatch script: its content, what it runs when Slurm's commands are
 replaced by stubs that record their arguments, and (where root and Debian's Slurm packages
-are there) what it does under a real one-machine Slurm brought up by ddp_lesson/kernel/slurm_cluster.sh."""
+are there) what it does under a real one-machine Slurm brought up by ddp_lesson/launcher/slurm_cluster.sh."""
 import json
 import os
 import subprocess
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import slurm
-from ddp_lesson.bundled import script
+from ddp_lesson.launcher import slurm
+from ddp_lesson.rank.bundled import script
 
 
 def test_content():
@@ -104,7 +104,7 @@ def test_cli():
     assert out.stdout.rstrip().endswith("train.py --epochs 2")
 
 
-# --- a real Slurm (ddp_lesson/kernel/slurm_cluster.sh): the printed script is submitted with sbatch ---
+# --- a real Slurm (ddp_lesson/launcher/slurm_cluster.sh): the printed script is submitted with sbatch ---
 TRAIN = script("ddp_basic.py")
 
 
@@ -126,7 +126,7 @@ def printed(*flags):
 
 
 def cpu_job(tmp_path, nproc, epochs):
-    from ddp_lesson.launch import free_port
+    from ddp_lesson.launcher.launch import free_port
     job = tmp_path / "job.sbatch"
     job.write_text(printed(str(TRAIN), "--cpu", "--nodes", "1", "--nproc-per-node", str(nproc),
                            "--port", str(free_port()), "--", "--epochs", str(epochs)))
@@ -144,7 +144,7 @@ def test_cpu_job_runs_under_real_slurm(cluster, tmp_path):
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
     host = info["NodeList"]
     assert f"job {job_id}: 1 nodes, rendezvous at {host}:" in out
-    from ddp_lesson.runs import load_metrics
+    from ddp_lesson.launcher.runs import load_metrics
     rows = load_metrics(tmp_path / "run")
     assert sorted({r["rank"] for r in rows}) == list(range(nproc))  # the world: nodes x nproc
     tests = [r for r in rows if "test_accuracy" in r]
@@ -205,8 +205,8 @@ def test_cpu_form_content():
 KERNEL_LIKE = r'''
 import json, os, sys
 from pathlib import Path
-from ddp_lesson import launch, runs, world
-from ddp_lesson.bundled import script
+from ddp_lesson.launcher import launch, runs, world
+from ddp_lesson.rank.bundled import script
 assert os.environ["SLURM_JOB_ID"] and os.environ["RANK"] == "5"  # inside an allocation, vars leaked in
 run = launch.start(script("rank_table.py"), nproc=2, cpu=True,
                    run_dir=sys.argv[1], timeout=240)

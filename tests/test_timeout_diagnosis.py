@@ -1,4 +1,4 @@
-"""Where the ranks were when a run timed out (ddp_lesson/kernel/stacks.py), read from real
+"""Where the ranks were when a run timed out (ddp_lesson/launcher/stacks.py), read from real
 ranks, warm and cold: the same, right diagnosis in both modes. A forked (warm) rank's stack
 holds torch's elastic agent and multiprocessing below the script, all in torch/distributed;
 read as the script's frames, they named a rank that never called init_process_group "in the
@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from conftest import wait_until
-from ddp_lesson import launch, procs, runs, stacks
+from ddp_lesson.launcher import launch, runs, stacks
+from ddp_lesson.rank import procs
 from ddp_lesson.rank.bundled import script as lesson_script
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGUSR1 stacks need Linux"),

@@ -17,9 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ddp_lesson import data, metrics, models, monitor, plots, runs
-from ddp_lesson.bundled import script
-from ddp_lesson.widgets import DevicePicker, RunPanel
+from ddp_lesson.rank import data, metrics, models
+from ddp_lesson.launcher import monitor, runs
+from ddp_lesson.notebook import plots
+from ddp_lesson.rank.bundled import script
+from ddp_lesson.notebook.widgets import DevicePicker, RunPanel
 
 from conftest import REPO, child_env
 
@@ -126,7 +128,7 @@ AVERAGING = """
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # a mismatched collective fails, not hangs
 rank = dist.get_rank()
 pair = dist.new_group([0, 1])       # every rank creates it; only ranks 0 and 1 use it

@@ -1,4 +1,4 @@
-"""Warm launches (`launch.warm_up`, ddp_lesson.rank.warm_server, ddp_lesson.kernel.warm): a run's agent
+"""Warm launches (`launch.warm_up`, ddp_lesson.rank.warm_server, ddp_lesson.launcher.warm): a run's agent
 is forked from warm process 0 and rank R from warm process R (each has imported torch), and
 each rank is still what a CLI torchrun gives it (test_warm_fidelity.py: case by case, with
 plain torchrun as the reference).
@@ -27,7 +27,8 @@ import psutil
 import pytest
 
 from conftest import REPO, child_env, processes_under, wait_until
-from ddp_lesson import doctor, guard, launch, procs, runs, warm, warm_server
+from ddp_lesson.launcher import doctor, launch, runs, warm
+from ddp_lesson.rank import guard, procs, warm_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches need Linux")
 
@@ -163,7 +164,7 @@ def test_exit_codes_are_torchruns(server, write_script, cold):
 
 INHERITED_LOCK = """
 import os, sys, threading, time
-from ddp_lesson import guard
+from ddp_lesson.rank import guard
 r, w = os.pipe()                       # nobody reads: a big write blocks, holding the buffer's lock
 sys.stdout = open(w, "w", buffering=1024)
 threading.Thread(target=lambda: (sys.stdout.write("x" * 1_000_000), sys.stdout.flush()), daemon=True).start()
@@ -228,7 +229,7 @@ def test_killing_the_warm_process_mid_run_ends_the_run_and_the_next_launch_works
 
 TWO_KERNELS = """
 import json, sys
-from ddp_lesson import launch
+from ddp_lesson.launcher import launch
 run = launch.start(sys.argv[1], nproc=2, cpu=True, timeout=120)
 r = run.wait()
 print(json.dumps({"status": r["status"], "launch": run.config["launch"]["mode"],

@@ -24,7 +24,8 @@ import textwrap
 import pytest
 
 from conftest import child_env, wait_until
-from ddp_lesson import launch, runs, warm, warm_server
+from ddp_lesson.launcher import launch, runs, warm
+from ddp_lesson.rank import warm_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches need Linux")
 
@@ -263,7 +264,7 @@ def test_every_private_api_the_warm_machinery_uses_is_where_it_was():
     import re
     from conftest import REPO
     used = set()
-    for f in ("rank/warm_server.py", "rank/warm_ranks.py", "rank/guard.py", "kernel/warm.py"):
+    for f in ("rank/warm_server.py", "rank/warm_ranks.py", "rank/guard.py", "launcher/warm.py"):
         text = (REPO / "ddp_lesson" / f).read_text()
         used |= set(re.findall(r"\btorch(?:\.\w+)*\.(_[a-z]\w*)\(", text))
         used |= set(re.findall(r"\batexit\.(_\w+)", text))

@@ -6,10 +6,13 @@ import threading
 import ipywidgets as W
 import pytest
 
-from ddp_lesson import BadInput, monitor, procs, runs, widgets
-from ddp_lesson.bundled import script
-from ddp_lesson.devices import GPU
-from ddp_lesson.widgets import DevicePicker, RunPanel, option_args
+from ddp_lesson import BadInput
+from ddp_lesson.launcher import monitor, runs
+from ddp_lesson.rank import procs
+from ddp_lesson.notebook import widgets
+from ddp_lesson.rank.bundled import script
+from ddp_lesson.launcher.devices import GPU
+from ddp_lesson.notebook.widgets import DevicePicker, RunPanel, option_args
 
 from conftest import REPO, wait_until
 
@@ -20,7 +23,7 @@ OPTIONS = {"epochs": 1, "batch-size": 64, "lr": 0.05, "sync-bn": False}
 # of output every 50 ms, until stopped.
 LOOP = """
 import os, time
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 rank = int(os.environ["RANK"])
 for step in range(1, 100000):
     metrics.log(step, loss=1.0 / step)
@@ -31,7 +34,7 @@ for step in range(1, 100000):
 
 FAILING = """
 import os, time
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 rank = int(os.environ["RANK"])
 metrics.log(1, loss=1.0)
 if rank == 1:
@@ -46,8 +49,8 @@ time.sleep(60)
 @pytest.mark.parametrize("nproc", ["8", "3"])
 def test_picker_default_equals_plan_with_ddp_lesson_nproc(monkeypatch, nproc):
     # DDP_LESSON_NPROC=8 on a 2-core machine: plan() and %ranks start allow it
-    # (checks.max_cpu_ranks), so the picker must start at the same count, not cap it lower
-    from ddp_lesson import devices
+    # (validate.max_cpu_ranks), so the picker must start at the same count, not cap it lower
+    from ddp_lesson.launcher import devices
     monkeypatch.setenv("DDP_LESSON_NPROC", nproc)
     monkeypatch.delenv("DDP_LESSON_MAX_CPU_RANKS", raising=False)
     monkeypatch.setattr(devices, "cpu_count", lambda: 2)
@@ -292,7 +295,7 @@ def test_the_cell_after_a_click_checks_that_run_or_waits_for_it(tmp_path, write_
 # -- in a real kernel (nbclient) ------------------------------------------------------------
 SHORT = """
 import argparse, time
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=30)
 for step in range(1, p.parse_args().steps + 1):
@@ -310,7 +313,7 @@ def test_notebook_keeps_one_plot_output_headless_and_after_a_click(tmp_path, wri
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell(
-            "from ddp_lesson.widgets import RunPanel\n"
+            "from ddp_lesson.notebook.widgets import RunPanel\n"
             f"panel = RunPanel({str(short)!r}, options={{'steps': 60}}, runs_base={str(tmp_path)!r})\n"
             "panel"),
         nbformat.v4.new_code_cell(

@@ -1,4 +1,4 @@
-"""The live world (ddp_lesson.world) and its magics, with real torchrun ranks on gloo.
+"""The live world (ddp_lesson.launcher.world) and its magics, with real torchrun ranks on gloo.
 
 One module-scoped world serves most tests (starting one costs seconds); the tests that
 must kill or restart a world come last and use their own where they can. The rank count
@@ -17,7 +17,8 @@ from multiprocessing.connection import Client
 import pytest
 
 from conftest import child_env, ipython_cells, signal_points, wait_until
-from ddp_lesson import procs, world as world_mod
+from ddp_lesson.rank import procs
+from ddp_lesson.launcher import world as world_mod
 
 # these tests interrupt world.run() as a notebook's Interrupt would
 pytestmark = pytest.mark.usefixtures("kernel_sigint")
@@ -90,7 +91,7 @@ def test_interrupt_stops_python_code_and_keeps_the_world(world):
 
 def test_an_interrupt_anywhere_in_run_leaves_the_world_usable(world):
     """Ctrl-C may land at any point of the kernel's side of a call. conftest.signal_points
-    puts it, in turn, on every point of ddp_lesson/kernel/world.py's code that one call passes
+    puts it, in turn, on every point of ddp_lesson/launcher/world.py's code that one call passes
     where CPython would deliver it; after each, the world is ready and the next call runs
     (a lock left taken said "This world is running another call" until a restart)."""
     n = world.world_size
@@ -165,7 +166,7 @@ def test_stop_ends_everything(world):
 def test_killed_kernel_leaves_no_rank(tmp_path):
     owner = textwrap.dedent("""
         import time
-        from ddp_lesson import world
+        from ddp_lesson.launcher import world
         w = world.start(nproc=2, cpu=True)
         print(w.run_dir, flush=True)
         time.sleep(120)
@@ -186,7 +187,7 @@ def test_killed_kernel_leaves_no_rank(tmp_path):
 
 
 def test_magics(runs_base):
-    from ddp_lesson import magics
+    from ddp_lesson.notebook import magics
 
     ip, cell = ipython_cells()
 

@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from conftest import ipython_cells, wait_until
-from ddp_lesson import procs, world as world_mod
+from ddp_lesson.rank import procs
+from ddp_lesson.launcher import world as world_mod
 
 # these tests interrupt world.run() as a notebook's Interrupt would
 pytestmark = pytest.mark.usefixtures("kernel_sigint")
@@ -244,7 +245,7 @@ def shell(runs_base):
     """An IPython shell with a world started by `%ranks start`; cell(source) runs a cell
     and returns (result, captured output). Its world is also this module's `world` (below),
     so the module pays for one such start, not two."""
-    from ddp_lesson import magics
+    from ddp_lesson.notebook import magics
 
     ip, cell = ipython_cells()
 
@@ -278,7 +279,7 @@ def test_magics_refuse_bad_ranks_in_one_short_sentence(shell):
 
 
 def test_live_updates_show_the_latest_lines_not_everything_again(shell):
-    from ddp_lesson import magics
+    from ddp_lesson.notebook import magics
     n, lines = shell.world.world_size, 6000
     res, cap = shell(f"%%ranks\nimport time\nfor i in range({lines // 100}):\n"
                      f"    print('\\n'.join(f'line {{i * 100 + j}}' for j in range(100)))\n"

@@ -1,4 +1,4 @@
-"""A rank of the live world, in this process: its print stream (ddp_lesson.world_rank.Stream)
+"""A rank of the live world, in this process: its print stream (ddp_lesson.rank.world_rank.Stream)
 must survive an Interrupt that lands anywhere inside a print.
 
 An Interrupt (SIGINT) raises KeyboardInterrupt at whatever Python line the cell's thread is
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import signal_points
-from ddp_lesson import world_rank
+from ddp_lesson.rank import world_rank
 
 
 class Connection:

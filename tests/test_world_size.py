@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ddp_lesson import BadInput, data, devices, launch, runs
-from ddp_lesson.widgets import DevicePicker
-from ddp_lesson.bundled import script
+from ddp_lesson import BadInput
+from ddp_lesson.rank import data
+from ddp_lesson.launcher import devices, launch, runs
+from ddp_lesson.notebook.widgets import DevicePicker
+from ddp_lesson.rank.bundled import script
 
 TINY = ["--epochs", "1", "--train-samples", "96", "--batch-size", "16"]
 TEST_SET_SIZE = len(data.shapes_split(train=False))

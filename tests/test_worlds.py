@@ -4,17 +4,17 @@ A module's world is its folder:
 - ddp_lesson/rank/: runs inside torchrun's processes (the agent's and ranks' guard, what lesson
   scripts and a live world's ranks import, and rank/scripts/, what the ranks run). Standard
   library and torch only (psutil for the guard and procs, which end process trees), and only
-  other rank-side modules: a rank must never pay for, or depend on, the kernel's supervision
+  other rank-side modules: a rank must never pay for, or depend on, the launcher's supervision
   or the notebook's drawing.
-- ddp_lesson/kernel/: starts, supervises and reads back runs (a notebook kernel or the CLI).
+- ddp_lesson/launcher/: starts, supervises and reads back runs (in a notebook's kernel or the CLI).
   It may import the rank side (names, metric vocabulary), never the notebook side.
 - ddp_lesson/notebook/: draws and teaches (widgets, plots, diagrams, lesson helpers). It may
   import both others.
 Two files stay on top: __init__ (every process imports it, a rank and the warm process included,
 so it is rank side; the one exception is `%load_ext ddp_lesson`, whose function imports the
-notebook side's magics when called) and __main__ (the command line, kernel side). Package modules import each other by the real path,
-so the layout shows; notebooks, lesson scripts and users keep the short names
-(`from ddp_lesson import launch`), which name the same module objects.
+notebook side's magics when called) and __main__ (the command line, launcher side). Every module
+has one name, its path (`from ddp_lesson.launcher import launch`), in the package, the lesson
+scripts, the notebooks and the tests alike: the layout shows in every import.
 """
 import ast
 import importlib
@@ -30,18 +30,11 @@ import ddp_lesson
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ddp_lesson"
 WORLDS = ddp_lesson.WORLDS
-TOP = {"__init__": "rank", "__main__": "kernel"}   # the two files on top, and their worlds
+TOP = {"__init__": "rank", "__main__": "launcher"}   # the two files on top, and their worlds
 # The lazy imports allowed against the direction, each in one function of one top file.
 LAZY = {"__init__.py": ("load_ipython_extension", {"ddp_lesson.notebook.magics.register"})}
 RANK_THIRD_PARTY = {"torch", "torchvision"}
 PROCESS_WRAPPER = {"guard": {"psutil"}, "procs": {"psutil"}}
-# The modules of the flat layout before the worlds became folders: these names must keep working
-# (dist.py, used only by a test script, moved to tests/scripts/).
-OLD_NAMES = ("bundled", "capstone", "chain", "checks", "costmodel", "data", "devices", "diagrams",
-             "doctor", "exercises", "failures", "forked_rank", "guard", "interrupts", "knobs",
-             "launch", "lesson", "magics", "metrics", "models", "monitor", "multinode", "plots",
-             "procs", "rundir", "runs", "scaling", "simulate", "slurm", "stacks", "syncbn", "warm",
-             "warm_server", "widgets", "world", "world_messages", "world_rank")
 
 
 def has_python(folder):
@@ -50,8 +43,8 @@ def has_python(folder):
     return any(folder.rglob("*.py"))
 
 
-def short_names(package=PACKAGE):
-    """{short name: world} of the modules in the world folders (a subpackage counts as one)."""
+def module_names(package=PACKAGE):
+    """{module name: world} of the modules in the world folders (a subpackage counts as one)."""
     out = {}
     for world in WORLDS:
         for p in sorted((package / world).iterdir()):
@@ -61,7 +54,7 @@ def short_names(package=PACKAGE):
     return out
 
 
-SHORT = short_names()
+MODULES = module_names()
 
 
 def sources(package=PACKAGE):
@@ -75,7 +68,7 @@ def sources(package=PACKAGE):
 def imports(source, package):
     """(ddp_lesson names, other top-level names) that one source file (or parsed tree) imports,
     anywhere in it (lazy imports inside functions count too). An imported name is dotted in full
-    (`from ..rank import guard` in ddp_lesson.kernel: ddp_lesson.rank.guard). `package`: the
+    (`from ..rank import guard` in ddp_lesson.launcher: ddp_lesson.rank.guard). `package`: the
     file's own package, for relative imports."""
     ours, others = set(), set()
     for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
@@ -95,18 +88,16 @@ def imports(source, package):
 
 
 def world_named(name):
-    """The world of a dotted name in ddp_lesson, by its real path or its short name; None for
-    the package's own names (ddp_lesson, BadInput, __version__)."""
+    """The world of a dotted name in ddp_lesson by its path; None for the package's own names
+    (ddp_lesson, BadInput, __version__, learner_folder)."""
     parts = name.split(".")
-    if len(parts) < 2:
-        return None
-    return parts[1] if parts[1] in WORLDS else SHORT.get(parts[1])
+    return parts[1] if len(parts) > 1 and parts[1] in WORLDS else None
 
 
 def violations(where, world, source, package, script=False, stem=None):
     """Sentences naming each import that goes the wrong way from one source file: `world` is
-    the file's world, `package` its dotted package; a lesson script (`script`) may use the
-    short names and import its siblings and other libraries."""
+    the file's world, `package` its dotted package; a lesson script (`script`) may import its
+    siblings and other libraries."""
     tree = ast.parse(source)
     if str(where) in LAZY:   # the one allowed lazy import, exactly: the function is left out
         function, allowed = LAZY[str(where)]
@@ -121,10 +112,11 @@ def violations(where, world, source, package, script=False, stem=None):
         out += [f"{where} (rank side) imports {m}, which a rank must not need" for m in sorted(others - allowed)]
     for name in sorted(ours):
         target = world_named(name)
-        if world == "rank" and target in ("kernel", "notebook") or world == "kernel" and target == "notebook":
+        if world == "rank" and target in ("launcher", "notebook") or world == "launcher" and target == "notebook":
             out.append(f"{where} ({world} side) imports {name} ({target} side)")
-        if not script and world_named(name) and name.split(".")[1] in SHORT:
-            out.append(f"{where} imports {name} by its short name; the package imports by the real path")
+        if target is None and len(name.split(".")) > 1 and name.split(".")[1] in MODULES:
+            out.append(f"{where} imports {name}, which is no module: the path is "
+                       f"ddp_lesson.{MODULES[name.split('.')[1]]}.{name.split('.', 1)[1]}")
     return out
 
 
@@ -139,7 +131,7 @@ def scan(package=PACKAGE):
 def test_every_module_sits_in_a_world_folder():
     on_top = {p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir() and has_python(p)}
     assert on_top == {"__init__.py", "__main__.py", *WORLDS}, on_top
-    assert set(SHORT.values()) == set(WORLDS)
+    assert set(MODULES.values()) == set(WORLDS)
 
 
 def test_a_folder_left_by_git_pull_is_ignored(tmp_path):
@@ -149,7 +141,7 @@ def test_a_folder_left_by_git_pull_is_ignored(tmp_path):
     (copy / "scripts" / "__pycache__").mkdir(parents=True)
     (copy / "scripts" / "__pycache__" / "train_ddp.cpython-311.pyc").write_bytes(b"")
     assert not has_python(copy / "scripts") and has_python(copy / "rank")
-    assert short_names(copy) == SHORT and scan(copy) == []
+    assert module_names(copy) == MODULES and scan(copy) == []
 
 
 def test_imports_go_one_way():
@@ -158,14 +150,13 @@ def test_imports_go_one_way():
 
 
 @pytest.mark.parametrize("world, line, what", [
-    ("rank", "from ..kernel import launch", "(kernel side)"),
-    ("rank", "import ddp_lesson.kernel.monitor", "(kernel side)"),
-    ("rank", "from ddp_lesson import launch", "(kernel side)"),             # a short name is followed
-    ("rank", "from ddp_lesson.widgets import RunPanel", "(notebook side)"),
+    ("rank", "from ..launcher import launch", "(launcher side)"),
+    ("rank", "import ddp_lesson.launcher.monitor", "(launcher side)"),
+    ("rank", "from ddp_lesson.notebook.widgets import RunPanel", "(notebook side)"),
     ("rank", "import matplotlib.pyplot as plt", "matplotlib, which a rank must not need"),
-    ("kernel", "from ..notebook.plots import LivePlot", "(notebook side)"),
-    ("kernel", "from ddp_lesson import diagrams", "(notebook side)"),
-    ("kernel", "from ddp_lesson import world", "by its short name"),   # the right world, the wrong name
+    ("launcher", "from ..notebook.plots import LivePlot", "(notebook side)"),
+    ("launcher", "from ddp_lesson import world", "which is no module: the path is ddp_lesson.launcher.world"),
+    ("rank", "from ddp_lesson import metrics", "which is no module: the path is ddp_lesson.rank.metrics"),
 ])
 def test_a_planted_wrong_import_is_found(world, line, what):
     """The check can fail: a wrong import, planted lazily at the end of a real module's source."""
@@ -177,24 +168,24 @@ def test_a_planted_wrong_import_is_found(world, line, what):
 
 
 def test_a_module_planted_in_a_folder_takes_its_world(tmp_path):
-    """In a copy of the package, a new file's folder alone makes it rank or kernel side, and
+    """In a copy of the package, a new file's folder alone makes it rank or launcher side, and
     the whole scan names it."""
     copy = tmp_path / "ddp_lesson"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert scan(copy) == []
-    (copy / "rank" / "planted_rank.py").write_text("from ..kernel import launch\n")
+    (copy / "rank" / "planted_rank.py").write_text("from ..launcher import launch\n")
     (copy / "rank" / "scripts" / "old").mkdir()   # a leftover folder: no module
     (copy / "rank" / "scripts" / "old" / "__pycache__").mkdir()
-    (copy / "kernel" / "planted_kernel.py").write_text("def f():\n    from ..notebook import widgets\n")
+    (copy / "launcher" / "planted_launcher.py").write_text("def f():\n    from ..notebook import widgets\n")
     found = scan(copy)
-    assert any(f.startswith("rank/planted_rank.py (rank side) imports ddp_lesson.kernel.launch") for f in found), found
-    assert any(f.startswith("kernel/planted_kernel.py (kernel side) imports ddp_lesson.notebook.widgets")
+    assert any(f.startswith("rank/planted_rank.py (rank side) imports ddp_lesson.launcher.launch") for f in found), found
+    assert any(f.startswith("launcher/planted_launcher.py (launcher side) imports ddp_lesson.notebook.widgets")
                for f in found), found
     assert len(found) == 2, found
 
 
 @pytest.mark.parametrize("planted, what", [
-    ("from .kernel import launch\n", "__init__.py (rank side) imports ddp_lesson.kernel.launch"),
+    ("from .launcher import launch\n", "__init__.py (rank side) imports ddp_lesson.launcher.launch"),
     ("import matplotlib\n", "__init__.py (rank side) imports matplotlib"),
     ("from .notebook.magics import register\n", "__init__.py (rank side) imports ddp_lesson.notebook.magics"),
 ])
@@ -210,59 +201,45 @@ def test_the_package_init_is_rank_side(tmp_path, planted, what):
     assert len(found) == 1 and found[0].startswith(what), found
     # a second import inside load_ipython_extension is no longer the allowed one
     init.write_text(source.replace("    from .notebook.magics import register\n",
-                                   "    from .notebook.magics import register\n    from .kernel import launch\n"))
+                                   "    from .notebook.magics import register\n    from .launcher import launch\n"))
     found = scan(copy)
     assert any(f.startswith("__init__.py (rank side) imports ddp_lesson.notebook.magics") for f in found), found
 
 
-# --- the short names: `from ddp_lesson import launch` is ddp_lesson.kernel.launch ---
+# --- one name per module ---
 
-def test_every_old_name_is_the_real_module():
-    assert set(OLD_NAMES) <= set(SHORT), set(OLD_NAMES) - set(SHORT)
-    for name in OLD_NAMES:
-        if name == "forked_rank":   # a rank's entry file: importing it runs the guard
-            continue
-        real = importlib.import_module(f"ddp_lesson.{SHORT[name]}.{name}")
-        assert importlib.import_module(f"ddp_lesson.{name}") is real, name
-        assert sys.modules[f"ddp_lesson.{name}"] is real and getattr(ddp_lesson, name) is real, name
-        assert real.__name__ == real.__spec__.name == f"ddp_lesson.{SHORT[name]}.{name}"
-    from ddp_lesson.diagrams.shapes import DEVICE_COLOURS
-    from ddp_lesson.notebook.diagrams import shapes
-    assert DEVICE_COLOURS is shapes.DEVICE_COLOURS
-    assert importlib.import_module("ddp_lesson.diagrams.shapes") is shapes
-
-
-def test_the_short_name_table_is_the_folders():
-    assert ddp_lesson._SHORT == SHORT
-
-
-def test_python_m_runs_a_module_by_its_short_name(tmp_path):
-    """`python -m ddp_lesson.guard SCRIPT` (the command an older run's config.json records) runs
-    the real guard as __main__, which runs SCRIPT; the short name's spec names the real file."""
-    script = tmp_path / "hello.py"
-    script.write_text("import sys\nprint('hello from', sys.argv[1:])\n")
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
-    env.pop("RANK", None)
-    done = subprocess.run([sys.executable, "-m", "ddp_lesson.guard", str(script), "x"], env=env,
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 0 and done.stdout == "hello from ['x']\n", done
-    done = subprocess.run([sys.executable, "-m", "ddp_lesson.guard"], env=env,
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 1 and "usage: python -m ddp_lesson.rank.guard" in done.stderr, done
-    spec = ddp_lesson._ShortNames().find_spec("ddp_lesson.guard")   # not the cached module's spec
-    assert spec.origin == str(PACKAGE / "rank" / "guard.py") and spec.name == "ddp_lesson.guard"
-
-
-def test_a_monkeypatch_through_the_short_name_patches_the_real_module(monkeypatch):
-    from ddp_lesson.kernel import launch
-    monkeypatch.setattr("ddp_lesson.launch.STOP_GRACE_S", 0.25)
-    assert launch.STOP_GRACE_S == 0.25
-
-
-@pytest.mark.parametrize("name", ["ddp_lesson.nothing", "ddp_lesson.kernel.nothing",
-                                  "ddp_lesson.launch.nothing", "ddp_lesson.notebook.nothing"])
-def test_an_unknown_name_still_raises(name):
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_a_module_has_only_its_path_as_name(name):
+    """`ddp_lesson.launch` is no module: every module is imported by its path only, so grep,
+    tracebacks and monkeypatches see one name."""
+    if name != "forked_rank":   # a rank's entry file: importing it runs the guard
+        real = importlib.import_module(f"ddp_lesson.{MODULES[name]}.{name}")
+        assert real.__name__ == real.__spec__.name == f"ddp_lesson.{MODULES[name]}.{name}"
     with pytest.raises(ImportError):
-        importlib.import_module(name)
+        importlib.import_module(f"ddp_lesson.{name}")
     with pytest.raises(ImportError):
-        exec(f"from ddp_lesson import {name.split('.')[-1]}", {})
+        exec(f"from ddp_lesson import {name}", {})
+
+
+def test_notebooks_and_tests_import_by_path():
+    """What the package's scan checks, for the notebooks' cells and the tests too."""
+    import json
+    found = []
+    root = PACKAGE.parent
+    for nb in sorted((root / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            src = "".join(cell["source"])
+            code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in src.splitlines())
+            try:
+                ours, _ = imports(code, "ddp_lesson")
+            except SyntaxError:
+                continue
+            found += [f"{nb.name} cell {i}: {n}" for n in ours
+                      if world_named(n) is None and len(n.split(".")) > 1 and n.split(".")[1] in MODULES]
+    for path in sorted((root / "tests").rglob("*.py")) + sorted((root / "bench").rglob("*.py")):
+        ours, _ = imports(path.read_text(), "tests")
+        found += [f"{path.name}: {n}" for n in ours
+                  if world_named(n) is None and len(n.split(".")) > 1 and n.split(".")[1] in MODULES]
+    assert not found, found

@@ -2,7 +2,7 @@
 # GPU check: run on a machine with NVIDIA GPUs (1 to 8), from the repository root or anywhere:
 #     bash tools/gpu_check.sh
 # Runs doctor, the demo on the first GPU, nccl all_reduce on every visible GPU (in a private
-# network: a user namespace, see kernel/isolation.py), SyncBatchNorm
+# network: a user namespace, see launcher/isolation.py), SyncBatchNorm
 # (PyTorch's, over nccl) and the SyncBN lesson script on every GPU, then the notebooks, and
 # writes what it saw (GPUs, driver, versions, each figure, pass/fail per step) to
 # docs/gpu-results.md. Exit status 0 when every step passed, 1 when one failed, 2 when this
@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY=${PYTHON:-python}
-shipped() { "$PY" -c "import sys; from ddp_lesson.bundled import script; print(script(sys.argv[1]))" "$1"; }  # a script's path
+shipped() { "$PY" -c "import sys; from ddp_lesson.rank.bundled import script; print(script(sys.argv[1]))" "$1"; }  # a script's path
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   echo "gpu_check: this machine has no NVIDIA GPU (nvidia-smi lists none), so there is nothing to check; nothing was written." >&2
@@ -57,7 +57,7 @@ figures() {
   "$PY" - "$1" <<'EOF' >>"$REPORT" 2>&1 || true
 import json, sys
 from pathlib import Path
-from ddp_lesson import runs
+from ddp_lesson.launcher import runs
 d = Path(sys.argv[1])
 if not (d / "config.json").exists():
     print(f"- (no run directory at {d})"); sys.exit()
@@ -106,7 +106,7 @@ step nccl_all_reduce 180 "$PY" -m ddp_lesson run "$(shipped nccl_check.py)" --gp
 step nccl_in_private_network 30 "$PY" - "$WORK/nccl" <<'EOF'
 import json, sys
 from pathlib import Path
-from ddp_lesson import isolation
+from ddp_lesson.launcher import isolation
 d = Path(sys.argv[1])
 iso = json.loads((d / "config.json").read_text())["isolation"]
 status = json.loads((d / "result.json").read_text())["status"]
@@ -133,7 +133,8 @@ EOF
 step ddp_syncbn_lesson 300 "$PY" -m ddp_lesson run "$(shipped ddp_syncbn.py)" --gpus "$IDS" --run-dir "$WORK/lesson" -- --epochs 1 --batch-size 8 --sync-bn
 step test_samples_once 30 "$PY" - "$WORK/lesson" <<'EOF'
 import sys
-from ddp_lesson import data, runs
+from ddp_lesson.rank import data
+from ddp_lesson.launcher import runs
 rows = [r for r in runs.load(sys.argv[1]).rows if "test_accuracy" in r]
 n = len(data.shapes_split(train=False))
 assert rows and all(r["test_samples"] == n for r in rows), (n, rows)

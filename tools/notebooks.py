@@ -1,7 +1,7 @@
 """The one way to keep the notebooks in shape. Prose and ordinary code cells: the .ipynb files
 are the source (edit them in JupyterLab or an editor). `%%writefile work/<name>.py` cells: the
 script of that name in ddp_lesson/rank/scripts/<role>/ is the source (edit it, then `sync` writes the
-cell; `ddp_lesson.bundled.script(name)` finds it, whatever its role folder). Then
+cell; `ddp_lesson.rank.bundled.script(name)` finds it, whatever its role folder). Then
 
     python tools/notebooks.py check   # every notebooks/*.ipynb; non-zero exit naming notebook and cell
     python tools/notebooks.py sync    # rewrite %%writefile cells from the shipped scripts, strip outputs
@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))      # this checkout's package, not another installed copy
-from ddp_lesson import bundled    # noqa: E402
+from ddp_lesson.rank import bundled    # noqa: E402
 
 NOTEBOOKS = REPO / "notebooks"
 ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")   # nbformat 4.5's rule for cell ids

@@ -9,7 +9,7 @@ import textwrap
 import torch
 
 from . import exercises
-from ..kernel import runs
+from ..launcher import runs
 
 
 def influence(model, x, cut, seed=1):

@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from ..kernel import launch, runs
+from ..launcher import launch, runs
 from ..rank.bundled import script
 
 
@@ -436,7 +436,7 @@ def check_ranks(global_rank, device_for):
     """08: global_rank(node_rank, local_rank, procs_per_node) and device_for(env) on every rank
     of several layouts (3 nodes x 4, 2 x 8, 4 x 2), against multinode.expected_table; env is
     what torchrun sets (RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE...)."""
-    from ..kernel import multinode
+    from ..launcher import multinode
     for nodes, per in ((3, 4), (2, 8), (4, 2)):
         for r in multinode.expected_table(nodes=nodes, procs_per_node=per):
             got = global_rank(r["NODE_RANK"], r["LOCAL_RANK"], per)

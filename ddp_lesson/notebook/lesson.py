@@ -1,6 +1,6 @@
 """Small helpers the notebooks share, so no notebook pastes its own copy.
 
-    from ddp_lesson.lesson import script, check, verdict, show_diff, show, work_dir
+    from ddp_lesson.notebook.lesson import script, check, verdict, show_diff, show, work_dir
 
     work_dir()                                  # ./work: where the scripts you edit live
     run = check("ddp_equivalence")              # a check script on CPU ranks, returns at once
@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..rank import chain, rundir
-from ..kernel import launch
+from ..launcher import launch
 from ..rank.bundled import load as load_script, script  # noqa: F401 (the notebooks import them from here)
 
 

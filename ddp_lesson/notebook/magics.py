@@ -1,4 +1,4 @@
-"""IPython magics for a live world of ranks (ddp_lesson.world), after `%load_ext ddp_lesson`:
+"""IPython magics for a live world of ranks (ddp_lesson.launcher.world), after `%load_ext ddp_lesson`:
 
     %ranks start [-n N] [--gpus IDS] [--cpu] [--timeout S]   start (or start afresh) a world
     %%ranks [RANKS] [--timeout S]                            run the cell on every rank, or RANKS (0,2 or 0-2)
@@ -21,7 +21,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from .. import BadInput
-from ..kernel import world as world_mod
+from ..launcher import world as world_mod
 
 LIVE_AFTER_S = 0.5     # a cell finishing sooner shows one display, not a live one
 UPDATE_EVERY_S = 0.25  # at most 4 updates per second while a cell runs

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ..rank import metrics as metrics_mod
-from ..kernel import runs as runs_mod
+from ..launcher import runs as runs_mod
 
 LABELS = dict(metrics_mod.LABELS)  # axis labels come from the scripts' one metric vocabulary
 MAX_RANK_LABELS = 8  # past this many ranks the legend would drown the plot

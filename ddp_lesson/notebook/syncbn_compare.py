@@ -7,7 +7,7 @@ same rank count and options); when the panel's run is not one, it launches one i
 """
 from pathlib import Path
 
-from ..kernel import launch, runs
+from ..launcher import launch, runs
 from . import plots
 from .lesson import show
 

@@ -20,20 +20,19 @@ How the panel keeps itself up to date:
   cell checks the clicked run when it has the cell's settings, else waits for it to end and
   starts its own (RunPanel.run), so it never checks a run with other settings.
 - What to show comes from a monitor.Monitor (the command line's follow loop uses the same);
-  when to draw from a monitor.FrameClock: 4 frames per second at most, fewer when a frame
+  when to draw from a panel_state.FrameClock: 4 frames per second at most, fewer when a frame
   is slow to draw, because on a small machine the kernel shares cores with the ranks.
 """
 import html
 import threading
 import time
-from pathlib import Path
 
 import ipywidgets as W
 from IPython.display import Image, display, update_display
 
 from .. import BadInput
-from ..kernel import checks, devices, launch, monitor
-from . import plots
+from ..launcher import devices, launch, monitor, validate
+from . import panel_state, plots
 
 STATUS_COLORS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e",
                  "interrupted": "#9a6700", "timeout": "#cf222e", "bad input": "#cf222e",
@@ -57,9 +56,9 @@ class DevicePicker:
     def __init__(self, gpus=None, nproc=None, max_nproc=None):
         self.gpus = devices.list_gpus() if gpus is None else list(gpus)
         nproc = nproc or devices.default_cpu_nproc()  # DDP_LESSON_NPROC, else 2 (1 with one usable core)
-        # the cap plan() and %ranks start allow without asking on purpose (checks.max_cpu_ranks),
+        # the cap plan() and %ranks start allow without asking on purpose (validate.max_cpu_ranks),
         # never below the default, so the picker starts where plan() does
-        max_nproc = max_nproc or max(nproc, checks.max_cpu_ranks(devices.cpu_count()))
+        max_nproc = max_nproc or max(nproc, validate.max_cpu_ranks(devices.cpu_count()))
         self.nproc = W.BoundedIntText(value=min(nproc, max_nproc), min=1, max=max_nproc,
                                       description="processes", layout=W.Layout(width="170px"))
         cpu_note = W.HTML("Ranks are CPU processes on the <b>gloo</b> backend.")
@@ -185,13 +184,13 @@ class LiveFrame:
 
     def __init__(self, metrics=("loss", "test_accuracy"), x="step"):
         self.live = plots.LivePlot(metrics, x=x)
-        self.clock = monitor.FrameClock()
+        self.clock = panel_state.FrameClock()
         self.png = None          # the last frame
         self.display_id = None   # set once shown
 
     def reset(self, t0=None):
         self.live.reset(t0=t0)
-        self.clock = monitor.FrameClock()
+        self.clock = panel_state.FrameClock()
 
     def show(self):
         if self.display_id is None:
@@ -219,13 +218,13 @@ class LiveFrame:
 
 class RunPanel:
     """Run / Stop, options, device picker, status, log tail, live plot and step-time bars for
-    one training script: a view of a monitor.Session (its runs) and of the Monitor of the
+    one training script: a view of a panel_state.PanelState (its runs) and of the Monitor of the
     latest one. What to show comes from there; the panel draws it."""
 
     def __init__(self, script, options=None, picker=None, metrics=("loss", "test_accuracy"),
                  x="step", label=None, run_dir=None, runs_base=None, timeout=None,
                  extra_args=()):
-        self.session = monitor.Session(script, label=label, run_dir=run_dir, runs_base=runs_base,
+        self.session = panel_state.PanelState(script, label=label, run_dir=run_dir, runs_base=runs_base,
                                        timeout=timeout, extra_args=extra_args)
         self.script, self.options = self.session.script, dict(options or {})
         self.picker = picker if picker is not None else DevicePicker()
@@ -269,7 +268,7 @@ class RunPanel:
         """Start a run with the options in the widgets, changed by `overrides` (batch_size=...
         also sets "batch-size"). Returns the launch.Run at once, or None when the input was
         bad: the status line says why, nothing started, and wait() raises. After a click on
-        Run, monitor.Session.for_cell says whether this cell checks that run."""
+        Run, PanelState.for_cell says whether this cell checks that run."""
         def apply():   # the overrides into the widgets; False (the status says why) if bad
             try:
                 return apply_overrides(self.inputs, self.options, overrides) or True

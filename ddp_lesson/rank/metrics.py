@@ -1,6 +1,6 @@
 """Script side: one JSON line per call in metrics/rank<R>.jsonl of the run directory.
 
-    from ddp_lesson import metrics
+    from ddp_lesson.rank import metrics
     metrics.log(step, loss=loss, train_accuracy=acc)
 
 Cheap enough for every step (one small write, flushed). Outside the launcher

@@ -1,4 +1,4 @@
-"""One rank of a live world (ddp_lesson.world): what torchrun runs for each rank.
+"""One rank of a live world (ddp_lesson.launcher.world): what torchrun runs for each rank.
 
 It joins the process group (gloo on CPU; nccl on GPUs, each rank on its own device),
 connects back to the kernel over an authenticated loopback connection and then runs the

@@ -1,6 +1,6 @@
 """Writes metrics, prints its environment, then (with --gate PATH) waits until PATH
 exists before finishing, so a test can read metrics while the run is still going.
-Uses ddp_lesson.metrics, and must also run under plain torchrun
+Uses ddp_lesson.rank.metrics, and must also run under plain torchrun
 (no launcher, no DDP_LESSON_RUN_DIR)."""
 import argparse
 import json
@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 p = argparse.ArgumentParser()
 p.add_argument("--gate", default="")

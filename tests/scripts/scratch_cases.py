@@ -12,8 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import data, models
-from ddp_lesson.lesson import load_script, script
+from ddp_lesson.rank import data, models
+from ddp_lesson.notebook.lesson import load_script, script
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=2, help="2: step 1 on DDP's one bucket, step 2 on its rebuilt ones")

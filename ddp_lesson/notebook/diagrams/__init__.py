@@ -1,7 +1,7 @@
 """Pictures of the course's mental models, each drawn from the lesson's own numbers (a real
 sampler's indices, a run's logged rows, a model's parameters), never from a formula, so it
 stays right at any world size. Every function returns a matplotlib.figure.Figure (not pyplot:
-nothing piles up in pyplot's list); a notebook shows one with `ddp_lesson.lesson.show(fig)`.
+nothing piles up in pyplot's list); a notebook shows one with `ddp_lesson.notebook.lesson.show(fig)`.
 
 lessons.py    model vs data parallel, DataParallel's steps, sampler shares, a DDP step's
               timeline, which accumulation steps all-reduce

@@ -6,7 +6,7 @@ Each figure is drawn from the data it is given (a real sampler's indices, a run'
 rows), never from a formula, so it stays right at any world size.
 
 Figures are matplotlib.figure.Figure objects (not pyplot), so nothing piles up in pyplot's
-list of open figures; a notebook shows one with `ddp_lesson.lesson.show(fig)`.
+list of open figures; a notebook shows one with `ddp_lesson.notebook.lesson.show(fig)`.
 """
 from matplotlib.figure import Figure
 

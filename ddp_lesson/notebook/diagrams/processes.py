@@ -7,7 +7,7 @@ CUDA_VISIBLE_DEVICES string), so they stay right at any world size. The arrows c
 """
 from matplotlib.figure import Figure
 
-from ...kernel.devices import visible_ids   # the one parser of CUDA_VISIBLE_DEVICES
+from ...launcher.devices import visible_ids   # the one parser of CUDA_VISIBLE_DEVICES
 from .shapes import DEVICE_COLOURS, arrow, blank, box
 
 __all__ = ["process_tree", "cuda_renumbering", "visible_ids"]

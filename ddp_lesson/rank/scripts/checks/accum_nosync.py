@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import bundled, data, metrics, models
+from ddp_lesson.rank import bundled, data, metrics, models
 
 K, B, STEPS = 4, 8, 3
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 
 def overlap(device, ids, bucket_cap_mb):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson.rank import data, metrics, models
 
 
 class TwoHeads(nn.Module):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 TIMEOUT_S = 3
 

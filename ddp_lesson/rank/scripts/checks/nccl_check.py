@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 MIB = 64
 

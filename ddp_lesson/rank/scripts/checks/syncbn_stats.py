@@ -4,7 +4,7 @@ Every rank builds the same global batch, feeds its own b samples through SyncBat
 as the reference, the whole batch through a plain BatchNorm2d. Also times a DDP training
 step of SmallCNN with BatchNorm vs SyncBatchNorm, side by side. Writes syncbn.json.
 On GPUs this is PyTorch's nn.SyncBatchNorm over nccl; on CPU ranks (gloo) the course's
-stand-in, ddp_lesson.syncbn, because nn.SyncBatchNorm refuses CPU tensors.
+stand-in, ddp_lesson.rank.syncbn, because nn.SyncBatchNorm refuses CPU tensors.
 
 It also records what the first BN layer of SmallCNN sees at step 1 of notebook 04's runs (the
 same weights and each rank's first batch): one channel's values on each rank, the statistics
@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import bundled, data, metrics, models, syncbn
+from ddp_lesson.rank import bundled, data, metrics, models, syncbn
 
 
 LESSON = bundled.load(bundled.script("ddp_syncbn.py"))  # the lesson script (not work/'s copy), for `train`

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson.rank import data, metrics, models
 
 K, BATCH = 4, 4   # one window of 4 micro-batches of 4 samples, per rank and placement
 

@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson.rank import data, metrics, models
 
 EPOCHS, SAMPLES, BATCH = 3, 96, 8   # 96 splits evenly over 1, 2, 3, 4, 6 or 8 ranks: no padding
 

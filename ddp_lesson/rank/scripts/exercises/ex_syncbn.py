@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson.rank import data, metrics, models
 
 
 @record

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import costmodel
+from ddp_lesson.rank import costmodel
 
 
 def allreduce_seconds(sizes, reps=3, device=None):

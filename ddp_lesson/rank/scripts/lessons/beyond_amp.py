@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import chain, data, metrics, models
+from ddp_lesson.rank import chain, data, metrics, models
 
 
 def parse_args(argv=None):

@@ -43,7 +43,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import chain, data, metrics
+from ddp_lesson.rank import chain, data, metrics
 
 
 def parse_args(argv=None):

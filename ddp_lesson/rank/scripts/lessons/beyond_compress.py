@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import chain, data, metrics, models
+from ddp_lesson.rank import chain, data, metrics, models
 
 HOOKS = {"fp32": default_hooks.allreduce_hook,          # what DDP does without a hook
          "fp16": default_hooks.fp16_compress_hook,      # cast to fp16, divide by N, all-reduce, cast back

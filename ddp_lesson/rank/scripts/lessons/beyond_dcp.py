@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ddp_lesson import chain, data, metrics
+from ddp_lesson.rank import chain, data, metrics
 
 
 def parse_args(argv=None):

@@ -32,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_lesson import chain, data, metrics
+from ddp_lesson.rank import chain, data, metrics
 
 
 def parse_args(argv=None):

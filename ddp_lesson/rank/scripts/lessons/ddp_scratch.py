@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_lesson import data, metrics, models, scratch_check   # scratch_check: counting, comparing, timing
-from ddp_lesson.scratch_check import load_bucketed            # stage (d): class Bucketed from your file
+from ddp_lesson.rank import data, metrics, models, scratch_check   # scratch_check: counting, comparing, timing
+from ddp_lesson.rank.scratch_check import load_bucketed            # stage (d): class Bucketed from your file
 
 
 def broadcast_parameters(model):

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler  # DDP
 
-from ddp_lesson import data, metrics, models, syncbn  # DDP: syncbn, the course's SyncBatchNorm for CPU ranks
+from ddp_lesson.rank import data, metrics, models, syncbn  # DDP: syncbn, the course's SyncBatchNorm for CPU ranks
 
 
 def parse_args():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 LR = 0.1     # <- EDIT ME: try 0.3, then 1.5. Run this cell to save, then press Run below.
 STEPS = 30

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import costmodel, metrics
+from ddp_lesson.rank import costmodel, metrics
 
 # dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s; "dense": without the
 # 2x "with sparsity" figure, which needs 2:4 structured zeros). SXM (the socketed server module)

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson.rank import data, metrics, models
 
 
 def parse_args():

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 
 @record

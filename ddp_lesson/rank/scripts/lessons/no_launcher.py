@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import data, models
+from ddp_lesson.rank import data, models
 
 
 def init_distributed_mode():

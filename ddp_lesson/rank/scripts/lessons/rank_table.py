@@ -14,7 +14,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

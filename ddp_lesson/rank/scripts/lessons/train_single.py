@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
-from ddp_lesson import data, metrics, models
+from ddp_lesson.rank import data, metrics, models
 
 
 def parse_args():

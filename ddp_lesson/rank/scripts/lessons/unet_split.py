@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, random_split
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import chain, data, metrics, models
+from ddp_lesson.rank import chain, data, metrics, models
 
 SAMPLES, STEPS = 120, 3
 TRAIN = int(0.85 * SAMPLES)  # that script's 85 / 15 split

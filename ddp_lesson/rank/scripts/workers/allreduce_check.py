@@ -4,7 +4,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ddp_lesson import metrics
+from ddp_lesson.rank import metrics
 
 use_cuda = torch.cuda.is_available()
 dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -1,11 +1,11 @@
-"""Rank side of ddp_lesson.scaling (notebook 06, bench/scaling.py): one launch per rank
+"""Rank side of ddp_lesson.launcher.scaling (notebook 06, bench/scaling.py): one launch per rank
 count. Every rank trains SmallCNN on the built-in `shapes` data with a fixed per-rank batch;
 rank 0 logs one row: epoch_s, step_s (median step of a real DDP epoch), compute_s and
 compute_max_s (steps under `no_sync`: no all-reduce), allreduce_s (one all_reduce as large
 as all gradients), and the CPU seconds of the same steps (compute_cpu_s, step_cpu_s) with
 cpu_share = compute CPU / compute wall time: below 1 when the rank waited for a core.
 With --extras the same processes also run the all-reduce sweep
-(ddp_lesson.costmodel) and the DDP knobs (ddp_lesson.knobs), which saves launches.
+(ddp_lesson.rank.costmodel) and the DDP knobs (ddp_lesson.rank.knobs), which saves launches.
 """
 import argparse
 import os
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import costmodel, data, knobs, metrics, models
+from ddp_lesson.rank import costmodel, data, knobs, metrics, models
 
 
 def main():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import BadInput
 from ..rank import rundir
-from . import checks
+from . import validate
 from .devices import Plan, Request
 
 RDZV_ID = "ddp-lesson"   # the rendezvous id of a run over several nodes unless one is given
@@ -38,8 +38,8 @@ class Nodes:
     id: object = None
 
     def __post_init__(self):
-        count = checks.number("--nnodes", self.count, 1)
-        rank = checks.number("--node-rank", self.rank, 0)
+        count = validate.number("--nnodes", self.count, 1)
+        rank = validate.number("--node-rank", self.rank, 0)
         if rank >= count:
             raise BadInput(f"--node-rank must be below --nnodes ({count}), got {rank}.")
         if count > 1 and not self.endpoint:
@@ -125,8 +125,8 @@ class Spec:
                            f"(not {', '.join(rundir.RESERVED)}); got {str(bad[0])!r}.")
         normal = {
             "script": script, "args": tuple(str(a) for a in self.args),
-            "max_restarts": checks.number("--max-restarts", self.max_restarts, 0),
-            "timeout": checks.number("--timeout", self.timeout, 0.001, kind=float, allow_none=True),
+            "max_restarts": validate.number("--max-restarts", self.max_restarts, 0),
+            "timeout": validate.number("--timeout", self.timeout, 0.001, kind=float, allow_none=True),
             "env": _pairs("The env must map names to values, like {\"OMP_NUM_THREADS\": 1}", self.env, str),
             "label": str(self.label) if self.label else script.stem,
             "private_files": _pairs("The private_files must map file names to bytes", self.private_files, _data),

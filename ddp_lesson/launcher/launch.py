@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from .. import BadInput, __version__
-from . import checks, devices, failures, interrupts, isolation, stacks, warm
+from . import devices, failures, interrupts, isolation, stacks, validate, warm
 from ..rank import guard, procs, rundir
 from ..rank.rundir import write_json
 from .spec import Nodes, Spec, fields
@@ -290,7 +290,7 @@ def run(spec, run_dir=None):
     warm_spawn = None
     if server is not None:
         warm_spawn = (server, warm_args, child_env)
-    return Run(path, cmd, child_env, config, spec.timeout, warm_spawn)
+    return Run(spec, path, cmd, child_env, config, warm_spawn)
 
 
 def torchrun_line(nproc, rdzv, max_restarts, script_name, args):
@@ -303,12 +303,14 @@ def torchrun_line(nproc, rdzv, max_restarts, script_name, args):
 
 class Run:
     """The process handle of one launch: start, state, wait, stop. What the ranks write is
-    read from run_dir (runs, monitor), not here. Safe to poll from a notebook's main thread."""
+    read from run_dir (runs, monitor), not here. Safe to poll from a notebook's main thread.
+    `spec` is the spec.Spec it was given, unchanged; `config` is what config.json records."""
 
-    def __init__(self, run_dir, cmd, env, config, timeout, warm_spawn=None):
+    def __init__(self, spec, run_dir, cmd, env, config, warm_spawn=None):
+        self.spec = spec
         self.run_dir = Path(run_dir)
         self.config = config
-        self.timeout = timeout
+        self.timeout = spec.timeout
         self.token = config["token"]
         self.result = None
         self.proc = None
@@ -326,7 +328,7 @@ class Run:
             try:
                 self.proc = server.spawn(args, warm_env, os.getcwd(), rundir.agent_log(self.run_dir))
             except warm.Unavailable as e:   # cold after all, and config.json says so
-                self.config["launch"] = {"mode": "cold", "why": str(e), "warm_pid": None}
+                self.config = {**self.config, "launch": {"mode": "cold", "why": str(e), "warm_pid": None}}
                 write_json(rundir.config(self.run_dir), self.config)
         if self.proc is None:
             with open(rundir.agent_log(self.run_dir), "wb") as agent_log:

@@ -1,7 +1,7 @@
 """A live world of ranks: a real torchrun job whose ranks stay up and run code sent from
 the notebook, each in a namespace of its own that persists between calls.
 
-    world = ddp_lesson.world.start()              # 2 CPU ranks (gloo), or one rank per GPU
+    world = ddp_lesson.launcher.world.start()              # 2 CPU ranks (gloo), or one rank per GPU
     world.run("t = torch.tensor([rank + 1.0])")   # every rank runs it
     world.run("dist.all_reduce(t); t.item()")     # -> [RankResult(rank=0, value='3.0', ...), ...]
     world.run("print(t)", ranks=[0])              # only rank 0
@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from pathlib import Path
 from typing import Optional
 
-from . import checks, devices, interrupts, isolation, launch
+from . import devices, interrupts, isolation, launch, validate
 from ..rank import rundir
 from ..rank.world_messages import ADDRESS_ENV, START_TIMEOUT_S, Done, Exit, Gone, Out, Run, valid_hello
 from .spec import Spec
@@ -580,7 +580,7 @@ def _short(text, limit=80):
 
 def _check_timeout(timeout):
     """Seconds, or None; the launcher's one validator (refuses 0, negatives, nan and inf)."""
-    return checks.number("timeout", timeout, 0.001, kind=float, allow_none=True)
+    return validate.number("timeout", timeout, 0.001, kind=float, allow_none=True)
 
 
 def start(nproc=None, gpus=None, cpu=False, timeout=None):

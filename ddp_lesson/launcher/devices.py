@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .. import BadInput
-from . import checks
+from . import validate
 
 CPU_DEFAULT_NPROC = 2
 
@@ -181,7 +181,7 @@ def default_cpu_nproc():
     value = os.environ.get("DDP_LESSON_NPROC", "").strip()
     if not value:
         return max(1, min(CPU_DEFAULT_NPROC, cpu_count()))
-    return checks.number("DDP_LESSON_NPROC", value, 1)
+    return validate.number("DDP_LESSON_NPROC", value, 1)
 
 
 def default_gpus(found):
@@ -231,7 +231,7 @@ def _as_ids(gpus):
         except ValueError:
             raise BadInput(f"--gpus takes GPU numbers separated by commas, like 0,1; got {gpus!r}.") from None
     try:
-        return [checks.number("--gpus", g, 0) for g in gpus]
+        return [validate.number("--gpus", g, 0) for g in gpus]
     except TypeError:
         raise BadInput(f"--gpus takes a list of GPU numbers, like [0, 1], or \"0,1\"; got {gpus!r}.") from None
 
@@ -249,7 +249,7 @@ class Request:
     cpu: bool = False
 
     def __post_init__(self):
-        nproc, gpus, cpu = checks.number("--nproc", self.nproc, 1, allow_none=True), None, bool(self.cpu)
+        nproc, gpus, cpu = validate.number("--nproc", self.nproc, 1, allow_none=True), None, bool(self.cpu)
         if self.gpus is not None and not cpu:
             gpus = tuple(_as_ids(self.gpus))
             if not gpus:
@@ -280,7 +280,7 @@ class Request:
                 raise BadInput(f"This machine has {len(ids)} free GPU(s); ask for at most {len(ids)} "
                                f"processes, or use CPU processes (--cpu).")
             return _gpu_plan(ids[: self.nproc or len(ids)])
-        n = checks.cpu_ranks(self.nproc or default_cpu_nproc(), cpu_count())
+        n = validate.cpu_ranks(self.nproc or default_cpu_nproc(), cpu_count())
         threads = max(1, cpu_count() // n)
         return Plan(n, [], "gloo", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)})
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .. import BadInput
-from . import checks
+from . import validate
 
 HEADER_KEYS = ("job_name", "partition", "account", "time", "output")
 SAFE_HEADER = re.compile(r"[A-Za-z0-9_.,:%@+=/-]+")   # one #SBATCH word: no space, no newline
@@ -58,15 +58,15 @@ def sbatch_script(script, nodes=2, gpus_per_node=4, args=(), job_name="ddp-lesso
     for key in env or {}:
         if not ENV_NAME.fullmatch(str(key)):
             raise BadInput(f"{str(key)!r} is not an environment variable name (letters, digits, _).")
-    nodes = checks.bounded("--nodes", nodes, 1, MAX_NODES)
+    nodes = validate.bounded("--nodes", nodes, 1, MAX_NODES)
     if cpu:
-        per_node = checks.bounded("--nproc-per-node", 2 if nproc_per_node is None else nproc_per_node,
+        per_node = validate.bounded("--nproc-per-node", 2 if nproc_per_node is None else nproc_per_node,
                                   1, MAX_PER_NODE)
     else:
-        per_node = checks.bounded("--gpus-per-node", gpus_per_node, 1, MAX_PER_NODE)
-    port = None if port is None else checks.bounded("port", port, 1, 65535)
+        per_node = validate.bounded("--gpus-per-node", gpus_per_node, 1, MAX_PER_NODE)
+    port = None if port is None else validate.bounded("port", port, 1, 65535)
     # one core per CPU rank; a GPU rank gets 8 for its data loading
-    cpus = (checks.bounded("--cpus-per-task", cpus_per_task, 1, 1 << 20) if cpus_per_task
+    cpus = (validate.bounded("--cpus-per-task", cpus_per_task, 1, 1 << 20) if cpus_per_task
             else per_node * (1 if cpu else 8))
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={job_name}",
