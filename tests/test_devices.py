@@ -9,7 +9,7 @@
 - `list_gpus()` parses nvidia-smi's CSV output (a fake nvidia-smi on PATH);
 - a devices.Request holds one shape whatever the caller passed (a list or "0,1"; nproc the
   GPU count); a Plan gives back the Request that pins it; config.json's devices is always a
-  list, [] for CPU ranks, and spec.gpus() reads it (and the "cpu" of older run directories).
+  list, [] for CPU ranks, and spec.gpus() reads it.
 """
 import os
 import stat
@@ -225,7 +225,7 @@ def test_config_devices_is_always_a_list(tmp_path):
     assert (cpu["devices"], cpu["backend"], cpu["nproc"]) == ([], "gloo", 2)
     assert (gpu["devices"], gpu["backend"], gpu["nproc"]) == ([2, 0], "nccl", 2)
     assert spec.gpus(cpu) == [] and spec.gpus(gpu) == [2, 0]
-    assert spec.gpus({"devices": "cpu"}) == [] and spec.gpus({}) == [] and spec.gpus(None) == []  # older runs
+    assert spec.gpus({"devices": []}) == [] and spec.gpus({}) == [] and spec.gpus(None) == []
     assert devices.describe(2, spec.gpus(gpu), "nccl") == "2 rank(s) on GPU(s) 2,0 with nccl"
 
 

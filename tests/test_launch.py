@@ -226,12 +226,7 @@ def test_every_field_of_a_spec_round_trips_through_config_json(tmp_path):
     assert "key" not in json.dumps(config) and "b'k'" not in repr(full)
     assert config["devices"] == [] and config["world_size"] == 6 and config["rdzv_id"] == "job7"
     assert spec.device_env(config) == plan.env and "OMP_NUM_THREADS" in plan.env
-    # an older run directory: devices "cpu", the devices' env mixed into env
-    old = {**config, "devices": "cpu", "env": {**config["env"], **plan.env}}
-    del old["device_env"]
-    (run_dir / "config.json").write_text(json.dumps(old))
-    assert launch.Spec.of_run(run_dir) == back
-    assert spec.device_env(old) == plan.env and runs.load(run_dir).device_env == plan.env
+    assert runs.load(run_dir).device_env == plan.env
 
 
 def test_a_spec_holds_its_script_absolute(tmp_path, monkeypatch):

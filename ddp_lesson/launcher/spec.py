@@ -143,8 +143,6 @@ class Spec:
         if config is None:
             raise BadInput(f"{run_dir} is not a run directory (no readable {rundir.CONFIG}).")
         env = config.get("env") or {}
-        if "device_env" not in config:   # written before the devices' env had its own field
-            env = {k: v for k, v in env.items() if k not in _DEVICE_ENV}
         plan = Plan(config["nproc"], gpus(config), config.get("backend"), device_env(config))
         return cls(rundir.script(run_dir), plan.request(), args=config.get("args", ()),
                    max_restarts=config.get("max_restarts", 0), timeout=config.get("timeout"), env=env,
@@ -166,20 +164,11 @@ def fields(spec, plan):
 
 
 def gpus(config):
-    """The physical GPU ids a run's ranks had, from its config (a dict): [] for CPU ranks.
-    Run directories written before devices was always a list hold "cpu" for []."""
-    value = (config or {}).get("devices")
-    return [int(g) for g in value] if isinstance(value, list) else []
-
-
-# What devices.Plan puts in every rank's environment, in run directories from before device_env.
-_DEVICE_ENV = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+    """The physical GPU ids a run's ranks had, from its config (a dict): [] for CPU ranks."""
+    return [int(g) for g in (config or {}).get("devices") or []]
 
 
 def device_env(config):
     """What the devices gave every rank's environment (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS,
-    ...), from a run's config (a dict); from the mixed `env` of older run directories."""
-    config = config or {}
-    if "device_env" in config:
-        return dict(config["device_env"])
-    return {k: v for k, v in (config.get("env") or {}).items() if k in _DEVICE_ENV}
+    ...), from a run's config (a dict)."""
+    return dict((config or {}).get("device_env") or {})
