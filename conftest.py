@@ -126,7 +126,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Each notebook's headless time (kernel start and every cell), for the README's table.
+    """Each notebook's headless time (kernel start and every cell), for bench/RESULTS.md.
     Measured while other workers share the cores, so an upper bound of its time alone.
     Then where the CPU goes: on 2 cores the suite is CPU-bound, so CPU seconds, not the
     wall time of one test, say what a change saves."""
