@@ -70,3 +70,15 @@ def test_lessons_09_to_11_each_have_few_long_sentences_and_no_nested_parentheses
         long, nested = prose.measure(path)
         assert not nested, (path.name, [s[:100] for _, s in nested])
         assert len(long) <= 10, f"{path.name}: {len(long)} sentences over 35 words:\n" + "\n".join(s[:100] for _, s in long)
+
+
+def test_the_measure_reads_markdown_files_by_section(tmp_path):
+    """README.md and docs/*.md are measured too: a section stands for a cell, named by its line;
+    a '#' inside a code block starts no section, and the block's text is not prose."""
+    long_one = " ".join(["word"] * 40) + "."
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# Title\n\nShort.\n\n```bash\n# a comment (in (code))\n{long_one}\n```\n\n"
+                   f"## Second\n\nA sentence (with (nesting)). {long_one}\n")
+    long, nested = prose.measure(doc)
+    assert [where for where, _ in long] == ["line 10"], long
+    assert [where for where, _ in nested] == ["line 10"], nested

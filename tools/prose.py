@@ -2,6 +2,7 @@
 sentences over 35 words and parentheses inside parentheses.
 
     python tools/prose.py notebooks/0[0-5]*.ipynb     # one line per long sentence, then totals
+    python tools/prose.py README.md docs/*.md         # a markdown file: its sections stand for cells
 
 Left out of the lesson text: `<details>` cells (fine print a learner may skip), code blocks,
 inline code, tables, link targets and HTML tags. tests/test_prose.py holds 00-05 to the limits.
@@ -51,14 +52,28 @@ def nested_parentheses(text):
     return found
 
 
-def measure(path):
-    """(long sentences, nested parentheses) of one notebook: lists of (cell index, text)."""
+def markdown_cells(path):
+    """(where, markdown) pieces of a file: a notebook's markdown cells by index, a .md file's
+    sections (split before each heading outside code blocks) by their first line's number."""
+    if Path(path).suffix == ".md":
+        pieces, start, fenced = [[]], [1], False
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            fenced ^= line.lstrip().startswith("```")
+            if line.startswith("#") and not fenced and pieces[-1]:
+                pieces.append([])
+                start.append(n)
+            pieces[-1].append(line)
+        return [(f"line {n}", "\n".join(p)) for n, p in zip(start, pieces)]
     nb = json.loads(Path(path).read_text())
+    return [(f"cell {i}", "".join(c["source"])) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown"]
+
+
+def measure(path):
+    """(long sentences, nested parentheses) of one notebook or .md file: lists of (where, text),
+    where is "cell N" or "line N"."""
     long, nested = [], []
-    for i, cell in enumerate(nb["cells"]):
-        if cell["cell_type"] != "markdown":
-            continue
-        text = lesson_text("".join(cell["source"]))
+    for i, source in markdown_cells(path):
+        text = lesson_text(source)
         long += [(i, s) for s in sentences(text) if len(s.split()) > LONG]
         nested += [(i, s) for s in nested_parentheses(text)]
     return long, nested
@@ -69,9 +84,9 @@ def main(paths):
     for path in paths:
         long, nested = measure(path)
         for i, s in long:
-            print(f"{Path(path).name} cell {i}: {len(s.split())} words: {s[:160]}")
+            print(f"{Path(path).name} {i}: {len(s.split())} words: {s[:160]}")
         for i, s in nested:
-            print(f"{Path(path).name} cell {i}: nested parentheses: {s[:160]}")
+            print(f"{Path(path).name} {i}: nested parentheses: {s[:160]}")
         print(f"{Path(path).name}: {len(long)} sentences over {LONG} words, {len(nested)} nested parentheses")
         total_long += len(long)
         total_nested += len(nested)
