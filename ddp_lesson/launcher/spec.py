@@ -12,10 +12,9 @@ launch: devices.Request.plan() (which GPUs exist) and the run directory.
 
 config.json holds fields(spec, plan) and what the launcher adds (token, versions, command,
 ...). Its `devices` is always a list of physical GPU ids, [] for CPU ranks; gpus(config) is
-the one way to read it, also from run directories written when CPU ranks were "cpu". Its
-`env` is what the launch added (Spec.env), `device_env` what the devices gave every rank
-(CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, ...); device_env(config) reads it, also from run
-directories written when both were one `env`.
+the one way to read it. Its `env` is what the launch added (Spec.env), `device_env` what the
+devices gave every rank (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, ...); device_env(config)
+reads it.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
