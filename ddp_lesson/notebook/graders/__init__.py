@@ -5,7 +5,7 @@ One module per notebook with an exercise, named by the notebook's number: lNN.py
 notebooks/NN_*.ipynb (l03b.py grades 03b; 03c has no module, see below). What they share
 (`attempt`, `grade`, `finished`) is common.py:
 
-    from ddp_lesson.notebook.graders import common, l03
+    from ddp_lesson.notebook.graders import common, l00, l03
     run_dir, passed = common.attempt("work/ex_set_epoch.py", l03.check_set_epoch)   # launch, wait, grade
     passed = common.grade(l00.check_cuda_index, cuda_index)                          # a function you wrote
 
