@@ -1,5 +1,6 @@
-"""The exercise checkers of 03-05 (ddp_lesson.notebook.exercises), on hand-made run directories for
-the ways a learner can get it wrong, and one real 2-rank launch of ex_syncbn.py: an answer that
+"""The exercise graders (ddp_lesson.notebook.graders: common.py, and lNN.py for notebook NN).
+03-05's on hand-made run directories for the ways a learner can get it wrong, and one real
+2-rank launch of ex_syncbn.py: an answer that
 rebuilds the other ranks' x without communicating must fail. The notebooks run each checker on real runs, at 2 and
 (in CI) 3 ranks: on the starter and the solution (03 cell 03-ex5, 04 cell 04-ex5, at 2 ranks or more), and 05's on
 the placements run, whose strip cell (05-strip2) also asserts that no_sync around backward
@@ -14,7 +15,17 @@ import threading
 
 import pytest
 
-from ddp_lesson.notebook import exercises
+from ddp_lesson.notebook.graders.common import attempt, grade
+from ddp_lesson.notebook.graders.l00 import check_cuda_index
+from ddp_lesson.notebook.graders.l01 import check_dp_chunk_sizes
+from ddp_lesson.notebook.graders.l03 import check_set_epoch
+from ddp_lesson.notebook.graders.l03b import check_scaled
+from ddp_lesson.notebook.graders.l04 import check_global_bn
+from ddp_lesson.notebook.graders.l05 import all_reduced, check_no_sync, weights_equal
+from ddp_lesson.notebook.graders.l06 import check_predict
+from ddp_lesson.notebook.graders.l07 import check_first_failure, check_parser
+from ddp_lesson.notebook.graders.l08 import check_ranks
+from ddp_lesson.notebook.graders.l10 import check_too_small_by, check_train_step
 
 
 def fake_run(path, world, rows, status="ok"):
@@ -36,24 +47,24 @@ def epochs(orders, samples=4):  # orders[rank][epoch] = indices; samples = the d
 
 def test_set_epoch(tmp_path):
     good = fake_run(tmp_path / "good", 2, epochs([[[0, 2], [3, 0]], [[1, 3], [2, 1]]]))
-    assert "2 epochs" in exercises.check_set_epoch(good)
+    assert "2 epochs" in check_set_epoch(good)
     # randperm(n // world_size) instead of randperm(n): disjoint, new order, half the data unused
     half = fake_run(tmp_path / "half", 2, epochs([[[0], [1]], [[1], [0]]]))
     with pytest.raises(AssertionError, match="cover 2 of the 4 samples"):
-        exercises.check_set_epoch(half)
+        check_set_epoch(half)
     # each rank shuffles its fixed stripe range(rank, n, world): new order, same samples forever
     stripe = fake_run(tmp_path / "stripe", 2, epochs([[[0, 2], [2, 0]], [[1, 3], [3, 1]]]))
     with pytest.raises(AssertionError, match="same samples in epochs 0 and 1"):
-        exercises.check_set_epoch(stripe)
+        check_set_epoch(stripe)
     same = fake_run(tmp_path / "same", 2, epochs([[[0, 2], [0, 2]], [[1, 3], [3, 1]]]))
     with pytest.raises(AssertionError, match="same order in epochs 0 and 1"):
-        exercises.check_set_epoch(same)
+        check_set_epoch(same)
     overlap = fake_run(tmp_path / "overlap", 2, epochs([[[0, 1], [1, 0]], [[0, 1], [1, 0]]], samples=2))
     with pytest.raises(AssertionError, match="two ranks"):
-        exercises.check_set_epoch(overlap)
+        check_set_epoch(overlap)
     failed = fake_run(tmp_path / "failed", 1, epochs([[[0], [0]]]), status="failed")
     with pytest.raises(AssertionError, match="ended failed"):
-        exercises.check_set_epoch(failed)
+        check_set_epoch(failed)
 
 
 def bn_run(path, answer, world=3, hw=2, shifts=None):
@@ -79,30 +90,30 @@ def test_global_bn(tmp_path):
     own = lambda x: (x.mean(dims), x.var(dims, unbiased=False))
     right = lambda xs, r: own(torch.cat(xs))
     ok = bn_run(tmp_path / "ok", right)
-    assert "every one of 3 ranks holds the global batch's 2 means" in exercises.check_global_bn(ok)
+    assert "every one of 3 ranks holds the global batch's 2 means" in check_global_bn(ok)
     by_sums = lambda xs, r: (torch.cat(xs).mean(dims), (torch.cat(xs) ** 2).mean(dims) - torch.cat(xs).mean(dims) ** 2)
-    assert exercises.check_global_bn(bn_run(tmp_path / "sums", by_sums))
+    assert check_global_bn(bn_run(tmp_path / "sums", by_sums))
     with pytest.raises(AssertionError, match="still holds this rank's own statistics"):
-        exercises.check_global_bn(bn_run(tmp_path / "starter", lambda xs, r: own(xs[r])))
+        check_global_bn(bn_run(tmp_path / "starter", lambda xs, r: own(xs[r])))
     avg_var = lambda xs, r: (torch.cat(xs).mean(dims), sum(own(x)[1] for x in xs) / len(xs))
     with pytest.raises(AssertionError, match="average of the ranks' variances"):
-        exercises.check_global_bn(bn_run(tmp_path / "avg_var", avg_var))
+        check_global_bn(bn_run(tmp_path / "avg_var", avg_var))
     avg_both = lambda xs, r: (sum(own(x)[0] for x in xs) / len(xs), sum(own(x)[1] for x in xs) / len(xs))
     with pytest.raises(AssertionError, match="unweighted average of the ranks' means"):
-        exercises.check_global_bn(bn_run(tmp_path / "avg_both", avg_both))
+        check_global_bn(bn_run(tmp_path / "avg_both", avg_both))
     unbiased = lambda xs, r: (torch.cat(xs).mean(dims), torch.cat(xs).var(dims))
     with pytest.raises(AssertionError, match=r"the unbiased variance \(n - 1\)"):
-        exercises.check_global_bn(bn_run(tmp_path / "unbiased", unbiased))
+        check_global_bn(bn_run(tmp_path / "unbiased", unbiased))
     rank0 = lambda xs, r: own(xs[0])                                  # a broadcast of rank 0's
     with pytest.raises(AssertionError, match="the mean is off"):
-        exercises.check_global_bn(bn_run(tmp_path / "rank0", rank0))
+        check_global_bn(bn_run(tmp_path / "rank0", rank0))
     same = [{"rank": r, "step": s, **row} for r in range(2)          # equal batches: a run that
             for s, row in ((0, {"x": [[[[1.0, 2.0]]]]}), (1, {"mean": [1.5], "var": [0.25]}))]  # cannot tell
     with pytest.raises(AssertionError, match="too alike"):
-        exercises.check_global_bn(fake_run(tmp_path / "same", 2, same))
+        check_global_bn(fake_run(tmp_path / "same", 2, same))
     alone = bn_run(tmp_path / "alone", right, world=1)
     with pytest.raises(AssertionError, match="run it on 2 or more"):
-        exercises.check_global_bn(alone)
+        check_global_bn(alone)
 
 
 @pytest.mark.parametrize("world", [2, 7, 8])
@@ -113,10 +124,10 @@ def test_global_bn_rejects_the_unbiased_variance_at_any_world_size(tmp_path, wor
     dims = (0, 2, 3)
     unbiased = lambda xs, r: (torch.cat(xs).mean(dims), torch.cat(xs).var(dims))
     with pytest.raises(AssertionError, match=r"the unbiased variance \(n - 1\)"):
-        exercises.check_global_bn(bn_run(tmp_path / "unbiased", unbiased, world=world, hw=16))
+        check_global_bn(bn_run(tmp_path / "unbiased", unbiased, world=world, hw=16))
     # ... while a float32 answer by sums, about 1e-7 off, passes
     by_sums32 = lambda xs, r: (lambda x: (x.mean(dims), (x * x).mean(dims) - x.mean(dims) ** 2))(torch.cat(xs).float())
-    assert exercises.check_global_bn(bn_run(tmp_path / "sums32", by_sums32, world=world, hw=16))
+    assert check_global_bn(bn_run(tmp_path / "sums32", by_sums32, world=world, hw=16))
 
 
 def test_global_bn_rejects_an_answer_that_rebuilds_the_other_ranks_x(tmp_path):
@@ -130,9 +141,9 @@ def test_global_bn_rejects_an_answer_that_rebuilds_the_other_ranks_x(tmp_path):
     rebuilt = lambda both, r: (lambda x: (x.mean(dims), x.var(dims, unbiased=False)))(
         torch.cat([both[1][q] if q == r else both[0][q] for q in range(3)]))
     with pytest.raises(AssertionError, match="the mean is off"):
-        exercises.check_global_bn(bn_run(tmp_path / "rebuilt", rebuilt, shifts=shifts))
+        check_global_bn(bn_run(tmp_path / "rebuilt", rebuilt, shifts=shifts))
     communicated = lambda both, r: (lambda x: (x.mean(dims), x.var(dims, unbiased=False)))(torch.cat(both[1]))
-    assert exercises.check_global_bn(bn_run(tmp_path / "communicated", communicated, shifts=shifts))
+    assert check_global_bn(bn_run(tmp_path / "communicated", communicated, shifts=shifts))
 
 
 
@@ -151,10 +162,10 @@ def test_ex_syncbn_rebuilding_the_other_ranks_x_fails_on_a_real_run(tmp_path):
         "    var = whole.var(dim=(0, 2, 3), unbiased=False)\n")
     path = tmp_path / "ex_syncbn_rebuilt.py"
     path.write_text(starter.replace(lines, rebuild))
-    run_dir, passed = exercises.attempt(path, exercises.check_global_bn, nproc=2)
+    run_dir, passed = attempt(path, check_global_bn, nproc=2)
     assert not passed
     with pytest.raises(AssertionError, match="the mean is off"):
-        exercises.check_global_bn(run_dir)
+        check_global_bn(run_dir)
 
 
 RIGHT = {"backward only": [1, 2, 3, 4], "forward only": [4], "both": [4], "last only": [1, 2, 3]}
@@ -182,13 +193,13 @@ def placement_rows(world, measured, differ_on_rank=None):
 
 def test_no_sync(tmp_path):
     ok = fake_run(tmp_path / "ok", 3, placement_rows(3, RIGHT))
-    assert "all 4 placements" in exercises.check_no_sync(ok, RIGHT, EQUAL)
-    assert exercises.all_reduced(ok)["last only"] == [[True, True, True, False]] * 3
-    assert exercises.weights_equal(ok) == EQUAL
+    assert "all 4 placements" in check_no_sync(ok, RIGHT, EQUAL)
+    assert all_reduced(ok)["last only"] == [[True, True, True, False]] * 3
+    assert weights_equal(ok) == EQUAL
     with pytest.raises(AssertionError, match="no prediction yet"):       # the starter
-        exercises.check_no_sync(ok, dict.fromkeys(RIGHT), EQUAL)
+        check_no_sync(ok, dict.fromkeys(RIGHT), EQUAL)
     with pytest.raises(AssertionError, match="no True or False yet"):    # the weights left out
-        exercises.check_no_sync(ok, RIGHT)
+        check_no_sync(ok, RIGHT)
     planted = {   # each wrong in one place: the verdict must not name the place, nor give the answer
         "forward only guessed": ({**RIGHT, "forward only": [1, 2, 3, 4]}, EQUAL),
         "the hint applied, weights ignored": (RIGHT, dict.fromkeys(RIGHT, True)),
@@ -197,18 +208,18 @@ def test_no_sync(tmp_path):
     messages = set()
     for wrong, equal in planted.values():
         with pytest.raises(AssertionError, match="at least one answer differs") as e:
-            exercises.check_no_sync(ok, wrong, equal)
+            check_no_sync(ok, wrong, equal)
         messages.add(str(e.value))
         assert "[4]" not in str(e.value) and "only" not in str(e.value), e.value
     assert len(messages) == 1             # one sentence whatever is wrong: guessing one at a time learns nothing
     one = fake_run(tmp_path / "one", 1, placement_rows(1, RIGHT))
-    assert "not graded" in exercises.check_no_sync(one, RIGHT, dict.fromkeys(RIGHT, True))
+    assert "not graded" in check_no_sync(one, RIGHT, dict.fromkeys(RIGHT, True))
     split = fake_run(tmp_path / "split", 2, placement_rows(2, RIGHT, differ_on_rank=1))
     with pytest.raises(AssertionError, match="ranks all-reduced at different"):
-        exercises.check_no_sync(split, RIGHT, EQUAL)
+        check_no_sync(split, RIGHT, EQUAL)
     failed = fake_run(tmp_path / "failed", 1, placement_rows(1, RIGHT), status="failed")
     with pytest.raises(AssertionError, match="ended failed"):
-        exercises.check_no_sync(failed, RIGHT, EQUAL)
+        check_no_sync(failed, RIGHT, EQUAL)
 
 
 # -- lesson 10: the fp16 step (check_train_step), one process, no launch -------------------
@@ -239,14 +250,14 @@ def _fp16_step(order):
 
 
 def test_train_step_checker_accepts_unscale_then_clip():
-    assert exercises.check_train_step(_fp16_step("unscale, clip"))
+    assert check_train_step(_fp16_step("unscale, clip"))
 
 
 @pytest.mark.parametrize("order,message", [("clip, unscale", "differs from the reference"),
                                            ("no scaler", "GradScaler")])
 def test_train_step_checker_rejects_clip_before_unscale_and_no_scaler(order, message):
     with pytest.raises(AssertionError, match=message):
-        exercises.check_train_step(_fp16_step(order))
+        check_train_step(_fp16_step(order))
 
 
 @pytest.mark.parametrize("answer,right", [(lambda S: S, True), (lambda S: 65536.0, False),
@@ -256,10 +267,10 @@ def test_too_small_by_is_checked_at_two_scales(answer, right):
     # A number read off one run (65536) fails at the second scale; "not clipped" (1) fails too.
     slow = _fp16_step("clip, unscale")
     if right:
-        assert exercises.check_too_small_by(answer, slow)
+        assert check_too_small_by(answer, slow)
     else:
         with pytest.raises(AssertionError, match="too small"):
-            exercises.check_too_small_by(answer, slow)
+            check_too_small_by(answer, slow)
 
 
 @pytest.mark.parametrize("name,wrong", [
@@ -274,19 +285,19 @@ def test_scaled_checker_rejects_planted_wrong_answers(name, wrong):
     # 03b's exercise: its hidden solution cell proves the checker accepts the solution and
     # rejects the starter; the classic wrong rules are planted here
     with pytest.raises(AssertionError):
-        exercises.check_scaled(wrong)
+        check_scaled(wrong)
 
 
-# -- the one verdict: exercises.grade (pure-function exercises of 00-08 and attempt's) -------
+# -- the one verdict: common.grade (pure-function exercises of 00-08 and attempt's) -------
 def test_grade_prints_the_verdict_and_returns_it(capsys):
-    assert exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: (b * w, lr * b * w / bb))
+    assert grade(check_scaled, lambda b, w, bb, lr: (b * w, lr * b * w / bb))
     assert capsys.readouterr().out == "correct!\n"
     # the starter's None is "not yet" (a TypeError), not a traceback
-    assert not exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: None)
+    assert not grade(check_scaled, lambda b, w, bb, lr: None)
     assert capsys.readouterr().out.startswith("not yet:")
-    assert not exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: (b * w, lr * w))
+    assert not grade(check_scaled, lambda b, w, bb, lr: (b * w, lr * w))
     assert "an epoch does not go as far" in capsys.readouterr().out
-    assert exercises.grade(lambda: "what it saw")
+    assert grade(lambda: "what it saw")
     assert capsys.readouterr().out == "correct! what it saw\n"
 
 
@@ -295,13 +306,13 @@ def test_grade_says_not_yet_for_any_exception_of_the_learners_function(capsys):
     # names the error, not a traceback
     def detached(b, w, bb, lr):
         raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
-    assert not exercises.grade(exercises.check_scaled, detached)
+    assert not grade(check_scaled, detached)
     assert capsys.readouterr().out == ("not yet: RuntimeError: element 0 of tensors does not require "
                                        "grad and does not have a grad_fn\n")
-    assert not exercises.grade(exercises.check_scaled, lambda b, w, bb, lr: undefined_name)  # noqa: F821
+    assert not grade(check_scaled, lambda b, w, bb, lr: undefined_name)  # noqa: F821
     assert capsys.readouterr().out.startswith("not yet: NameError: ")
     with pytest.raises(KeyboardInterrupt):     # an interrupt still stops the cell
-        exercises.grade(exercises.check_scaled, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        grade(check_scaled, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
 
 
 def test_no_sync_prediction_of_the_wrong_kind_is_not_yet(tmp_path, capsys):
@@ -309,34 +320,34 @@ def test_no_sync_prediction_of_the_wrong_kind_is_not_yet(tmp_path, capsys):
     for wrong in (4, "4", [4.0]):              # 4 instead of [4]
         predicted = {**RIGHT, "forward only": wrong}
         with pytest.raises(AssertionError, match=r"forward only: say the micro-batches as a list"):
-            exercises.check_no_sync(ok, predicted, EQUAL)
-        assert not exercises.grade(exercises.check_no_sync, ok, predicted, EQUAL)
+            check_no_sync(ok, predicted, EQUAL)
+        assert not grade(check_no_sync, ok, predicted, EQUAL)
         assert capsys.readouterr().out.startswith("not yet: forward only: say the micro-batches")
 
 
 def test_pure_checkers_accept_a_solution_and_reject_the_classic_mistake():
     # the notebooks' collapsed solution cells run each both ways; here the ones whose
     # starters do not raise by themselves
-    assert exercises.check_predict(lambda n, c, g, a, b: n * c / (c + (n > 1) * (2 * (n - 1) * a + 2 * (n - 1) / n * g / b)))
+    assert check_predict(lambda n, c, g, a, b: n * c / (c + (n > 1) * (2 * (n - 1) * a + 2 * (n - 1) / n * g / b)))
     with pytest.raises(AssertionError, match="the model gives"):
-        exercises.check_predict(lambda n, c, g, a, b: n)
+        check_predict(lambda n, c, g, a, b: n)
     import argparse
 
     def parser(**kw):
         p = argparse.ArgumentParser()
         p.add_argument("--sync-bn", **kw)
         return p
-    assert exercises.check_parser(lambda: parser(action=argparse.BooleanOptionalAction, default=False))
+    assert check_parser(lambda: parser(action=argparse.BooleanOptionalAction, default=False))
     with pytest.raises(AssertionError, match="refuses"):
-        exercises.check_parser(lambda: parser(type=bool, default=False))
-    assert exercises.check_ranks(lambda node, local, per: node * per + local, lambda env: f"cuda:{env['LOCAL_RANK']}")
+        check_parser(lambda: parser(type=bool, default=False))
+    assert check_ranks(lambda node, local, per: node * per + local, lambda env: f"cuda:{env['LOCAL_RANK']}")
     with pytest.raises(AssertionError, match="you said 'cuda:4'"):
-        exercises.check_ranks(lambda node, local, per: node * per + local, lambda env: f"cuda:{env['RANK']}")
+        check_ranks(lambda node, local, per: node * per + local, lambda env: f"cuda:{env['RANK']}")
     crashed = {"status": "failed", "failure": {"rank": 1, "message": "RuntimeError: boom\nmore"}}
-    assert exercises.check_first_failure(lambda r: r.get("failure") and (r["failure"]["rank"], "RuntimeError: boom"),
+    assert check_first_failure(lambda r: r.get("failure") and (r["failure"]["rank"], "RuntimeError: boom"),
                                          crashed, {"status": "timeout"})
     with pytest.raises(AssertionError, match="root cause is rank 1"):
-        exercises.check_first_failure(lambda r: (0, "rank 0 failed"), crashed, {"status": "timeout"})
+        check_first_failure(lambda r: (0, "rank 0 failed"), crashed, {"status": "timeout"})
 
 
 def _cuda_index(physical, visible, repeats_first=True, plant=None):
@@ -384,9 +395,9 @@ def test_cuda_index_checker_tests_the_order_the_prompt_states():
             except ValueError:
                 got = None
             assert got == (want.index(physical) if physical in want else None), (visible, physical)
-    assert exercises.check_cuda_index(_cuda_index)
+    assert check_cuda_index(_cuda_index)
     with pytest.raises(AssertionError, match="0,9,0"):
-        exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, repeats_first=False))
+        check_cuda_index(lambda p, v: _cuda_index(p, v, repeats_first=False))
 
 
 def test_cuda_index_checker_rejects_skipping_entries_and_misreading_plus(monkeypatch):
@@ -405,8 +416,8 @@ def test_cuda_index_checker_rejects_skipping_entries_and_misreading_plus(monkeyp
     for plant, visible in (("skip empty", "1,,2"), ("no plus", "+2,0"), ("no minus zero", "-0,1"),
                            ("cut past 8", "0,8,1"), ("repeat by text", "0,-0")):
         with pytest.raises(AssertionError, match=re.escape(repr(visible))):
-            exercises.check_cuda_index(lambda p, v: _cuda_index(p, v, plant=plant))
-    assert exercises.check_cuda_index(_cuda_index)
+            check_cuda_index(lambda p, v: _cuda_index(p, v, plant=plant))
+    assert check_cuda_index(_cuda_index)
 
 
 def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
@@ -414,20 +425,20 @@ def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
     def rule(batch, n):
         size = -(-batch // n)
         return [min(size, batch - start) for start in range(0, batch, size)]
-    assert exercises.check_dp_chunk_sizes(rule)
+    assert check_dp_chunk_sizes(rule)
     for planted in (lambda b, n: [len(c) for c in torch.empty(b).chunk(n)],      # asks torch instead
                     lambda b, n: [len(c) for c in torch.chunk(torch.empty(b), n)],
                     lambda b, n: [len(c) for c in torch.empty(b).tensor_split(n)],  # as even as possible
                     lambda b, n: [b // n + (i < b % n) for i in range(n) if b // n + (i < b % n)]):
         with pytest.raises(AssertionError):
-            exercises.check_dp_chunk_sizes(planted)
+            check_dp_chunk_sizes(planted)
     from torch import chunk                                                    # bound before the check
     for route in (lambda b, n: chunk(torch.empty(b), n), lambda b, n: torch._VF.chunk(torch.empty(b), n),
                   lambda b, n: torch._C.TensorBase.chunk(torch.empty(b), n),
                   lambda b, n: torch.ops.aten.chunk(torch.empty(b), n),
                   lambda b, n: torch.empty(b).split(-(-b // n))):
         with pytest.raises(AssertionError, match="write the rule yourself"):  # every route to torch's chunk
-            exercises.check_dp_chunk_sizes(lambda b, n, route=route: [len(c) for c in route(b, n)])
+            check_dp_chunk_sizes(lambda b, n, route=route: [len(c) for c in route(b, n)])
     from concurrent.futures import ThreadPoolExecutor                          # a thread fn starts
 
     def in_a_thread(b, n):
@@ -438,11 +449,34 @@ def test_dp_chunk_sizes_checker_wants_a_rule_not_a_call_to_chunk():
         sys.setprofile(None)
         return [len(c) for c in torch.empty(b).chunk(n)]
     with pytest.raises(AssertionError, match="write the rule yourself"):
-        exercises.check_dp_chunk_sizes(in_a_thread)
+        check_dp_chunk_sizes(in_a_thread)
     with pytest.raises(AssertionError, match="leave the profile hook alone"):
-        exercises.check_dp_chunk_sizes(hook_off)
+        check_dp_chunk_sizes(hook_off)
     assert threading.getprofile() is None
-    assert exercises.check_dp_chunk_sizes(lambda b, n: [len(x) for x in "".join(
+    assert check_dp_chunk_sizes(lambda b, n: [len(x) for x in "".join(
         "a" * min(-(-b // n), b - s) + "," for s in range(0, b, -(-b // n))).split(",")[:-1]])  # str.split is fine
     assert sys.getprofile() is None                                           # the watch is gone
     assert [len(c) for c in torch.empty(6).chunk(4)] == [2, 2, 2]               # torch is itself again
+
+
+# -- the layout: graders/lNN.py grades notebooks/NN_*.ipynb -------------------------------
+def test_each_grader_module_is_named_by_its_notebook_and_graded_there():
+    """Every graders/lNN.py names a notebook NN_*.ipynb, which imports it; a notebook imports
+    no other notebook's grader (common.py is everyone's)."""
+    from pathlib import Path
+    import ddp_lesson.notebook.graders as graders
+    root = Path(__file__).resolve().parent.parent
+    modules = {p.stem for p in Path(graders.__file__).parent.glob("*.py")} - {"__init__", "common"}
+    assert modules, "no grader modules found"
+    imported = {}
+    for nb in sorted((root / "notebooks").glob("*.ipynb")):
+        code = "".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+        names = set(re.findall(r"ddp_lesson\.notebook\.graders\.(\w+)", code))
+        for group in re.findall(r"from ddp_lesson\.notebook\.graders import ([\w, ]+)", code):
+            names |= {n.strip() for n in group.split(",")}
+        number = nb.name.split("_")[0]
+        assert names <= {"common", f"l{number}"}, f"{nb.name} imports {sorted(names)}: only common and l{number}"
+        imported[f"l{number}"] = f"l{number}" in names
+    for m in sorted(modules):
+        assert m in imported, f"graders/{m}.py: no notebook {m[1:]}_*.ipynb"
+        assert imported[m], f"graders/{m}.py: notebook {m[1:]} does not import it"

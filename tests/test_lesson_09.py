@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ddp_lesson.rank import costmodel
-from ddp_lesson.notebook import exercises
+from ddp_lesson.notebook.graders.l09 import bucket_layout, bucketed_solution, check_bucketed
 from ddp_lesson.launcher import launch
 from ddp_lesson.notebook.lesson import load_script, script
 
@@ -34,14 +34,14 @@ CASES = Path(__file__).resolve().parent / "scripts" / "scratch_cases.py"
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs09")
-    good = exercises.bucketed_solution(base / "bucketed_solution.py")
+    good = bucketed_solution(base / "bucketed_solution.py")
     one = base / "bucketed_one.py"        # a correct hook, but everything in one bucket of its own
     one.write_text(good.read_text().replace("if size >= bucket_bytes:", "if False:"))
     files = {"solution": good, "starter": script("bucketed_exercise.py"), "one": one,
-             "blocking": exercises.bucketed_solution(base / "bucketed_blocking.py", blocking=True),
-             "waiting": exercises.bucketed_solution(base / "bucketed_waiting.py", waiting=True),
-             "late": exercises.bucketed_solution(base / "bucketed_late.py", late=True),
-             "keep_ready": exercises.bucketed_solution(base / "bucketed_keep_ready.py", keep_ready=True)}
+             "blocking": bucketed_solution(base / "bucketed_blocking.py", blocking=True),
+             "waiting": bucketed_solution(base / "bucketed_waiting.py", waiting=True),
+             "late": bucketed_solution(base / "bucketed_late.py", late=True),
+             "keep_ready": bucketed_solution(base / "bucketed_keep_ready.py", keep_ready=True)}
     no_divide = base / "bucketed_no_divide.py"   # all-reduced, but the sum kept: not averaged over ranks
     text = good.read_text()
     assert text.count("            self.flat[i] /= dist.get_world_size()\n") == 1
@@ -94,37 +94,37 @@ def test_ddp_buckets_one_then_rebuilt_in_ready_order(cases):
 
 
 def test_exercise_checker_accepts_solution_rejects_starter_one_bucket_and_blocking(cases):
-    ok, why = exercises.check_bucketed(cases["bucketed"]["solution"])
+    ok, why = check_bucketed(cases["bucketed"]["solution"])
     assert ok, why
-    ok, why = exercises.check_bucketed(cases["bucketed"]["starter"])
+    ok, why = check_bucketed(cases["bucketed"]["starter"])
     assert not ok and "weights differ" in why and "no all_reduce was called" in why, why
-    ok, why = exercises.check_bucketed(cases["bucketed"]["no_divide"])   # summed, never averaged
+    ok, why = check_bucketed(cases["bucketed"]["no_divide"])   # summed, never averaged
     assert not ok and "weights differ" in why and "divide the summed bucket by the world size" in why, why
     for name in ("blocking", "waiting"):    # async_op=False, or async_op=True and .wait() in the hook
-        ok, why = exercises.check_bucketed(cases["bucketed"][name])
+        ok, why = check_bucketed(cases["bucketed"][name])
         assert not ok and "backward waited" in why, (name, why)
-    ok, why = exercises.check_bucketed(cases["bucketed"]["one"])
+    ok, why = check_bucketed(cases["bucketed"]["one"])
     assert not ok and "expected one per bucket" in why, why   # the layout is the checker's, not the learner's
 
 
 def test_exercise_checker_rejects_buckets_held_back_to_the_last_gradient(cases):
     # Async, the right buckets, all during backward, but every launch waits for the model's
     # last gradient: stage (b)'s timing. Each bucket must go out when its own last gradient is ready.
-    ok, why = exercises.check_bucketed(cases["bucketed"]["late"])
+    ok, why = check_bucketed(cases["bucketed"]["late"])
     assert not ok and "gradients were ready" in why, why
 
 
 def test_exercise_checker_names_a_ready_count_never_reset(cases):
     # finish() forgets self.ready: step 2's hooks never see a full bucket, and finish() calls
     # wait() on None. The checker must say so in a sentence, not hand back a rank's traceback.
-    ok, why = exercises.check_bucketed(cases["bucketed"]["keep_ready"])
+    ok, why = check_bucketed(cases["bucketed"]["keep_ready"])
     assert not ok and why.startswith("step 2: your Bucketed raised AttributeError") and "reset self.ready" in why, why
 
 
 def test_bucket_layout_is_reverse_registration_closed_at_the_cap():
-    assert exercises.bucket_layout([4, 8, 4, 8], 12) == [[3, 2], [1, 0]]
-    assert exercises.bucket_layout([4, 8, 4, 8], 100) == [[3, 2, 1, 0]]
-    assert exercises.bucket_layout([4, 8, 4, 8], 1) == [[3], [2], [1], [0]]
+    assert bucket_layout([4, 8, 4, 8], 12) == [[3, 2], [1, 0]]
+    assert bucket_layout([4, 8, 4, 8], 100) == [[3, 2, 1, 0]]
+    assert bucket_layout([4, 8, 4, 8], 1) == [[3], [2], [1], [0]]
 
 
 def test_stage_d_without_a_file_is_refused_before_starting():

@@ -21,7 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import child_env
-from ddp_lesson.notebook import capstone, exercises
+from ddp_lesson.notebook import capstone
+from ddp_lesson.notebook.graders.l11 import check_global_batch, check_global_batch_at, check_refusal
 from ddp_lesson.launcher import failures, launch, runs
 from ddp_lesson.notebook.lesson import load_script, script
 
@@ -404,7 +405,7 @@ def test_rows_carry_tokens_per_s_and_mfu(trio):
     rates = [x for r in rec.rows if "achievable_flops_per_cpu_s" in r for x in r["achievable_flops_per_cpu_s"]]
     assert len(rates) == 3 * 5 and capstone.check_peak(peak, rates, cores=head[0]["cores"])
     assert all(0 < r["cpu_s"] and 0 < r["micro_cpu_s"] <= r["cpu_s"] for r in rows)
-    assert exercises.check_global_batch(rec.path)                   # 12 windows per step, summed
+    assert check_global_batch(rec.path)                   # 12 windows per step, summed
 
 
 def test_fsdp2_trains_the_ddp_model_at_3_ranks(trio):
@@ -452,13 +453,13 @@ def test_global_batch_checked_at_two_world_sizes_rejects_a_constant(tmp_path):
     """11's exercise: ACCUM = 6 (micro-batches of 4) gives 48 on 2 ranks, 72 on 3."""
     two = fake_run(tmp_path / "two", [[24, 24]] * 2, asked=48, micro=4)
     three = fake_run(tmp_path / "three", [[24, 24]] * 3, asked=48, micro=4)
-    assert exercises.check_global_batch(two)                        # one world size accepts it
+    assert check_global_batch(two)                        # one world size accepts it
     with pytest.raises(AssertionError, match="one world size"):
-        capstone.check_global_batch_at([two])
+        check_global_batch_at([two])
     with pytest.raises(AssertionError, match="not the 48 asked"):
-        capstone.check_global_batch_at([two, three])
+        check_global_batch_at([two, three])
     right = fake_run(tmp_path / "right", [[16, 16]] * 3, asked=48, micro=4)
-    assert "3 rank(s)" in capstone.check_global_batch_at([two, right])
+    assert "3 rank(s)" in check_global_batch_at([two, right])
 
 
 def test_bf16_autocast_trains_near_fp32_and_samples(trio):
@@ -536,7 +537,7 @@ def test_check_refusal_rejects_dividing_without_refusing(tmp_path):
         answer = tmp_path / f"{name}.py"
         answer.write_text(starter.replace(line, body))
         try:
-            verdicts[name] = capstone.check_refusal(answer)
+            verdicts[name] = check_refusal(answer)
         except AssertionError as e:
             verdicts[name] = f"rejected: {e}"
     assert verdicts["solution"] == "refuses 5 ranks: 48 do not split", verdicts
@@ -546,33 +547,33 @@ def test_check_refusal_rejects_dividing_without_refusing(tmp_path):
 
 
 def test_check_global_batch_accepts_the_sum_and_rejects_other_counts(tmp_path):
-    assert exercises.check_global_batch(fake_run(tmp_path / "ok", [[4, 4], [4, 4]]))
+    assert check_global_batch(fake_run(tmp_path / "ok", [[4, 4], [4, 4]]))
     with pytest.raises(AssertionError, match="not the 8 asked"):
-        exercises.check_global_batch(fake_run(tmp_path / "bad", [[8, 8], [8, 8]]))
+        check_global_batch(fake_run(tmp_path / "bad", [[8, 8], [8, 8]]))
     with pytest.raises(AssertionError, match="not every rank"):
-        exercises.check_global_batch(fake_run(tmp_path / "gap", [[4, 4], [4]]))
+        check_global_batch(fake_run(tmp_path / "gap", [[4, 4], [4]]))
     with pytest.raises(AssertionError, match="not the 48 asked"):    # 48 on 5 ranks: 40 is no answer
-        exercises.check_global_batch(fake_run(tmp_path / "forty", [[8]] * 5, asked=48, micro=4))
+        check_global_batch(fake_run(tmp_path / "forty", [[8]] * 5, asked=48, micro=4))
 
 
 def test_check_global_batch_accepts_a_refusal_that_says_why_and_no_other_failure(tmp_path):
     for name, body in REFUSALS.items():
         failure, script = guarded_failure(tmp_path / name, body)
         run = fake_run(tmp_path / name, [], asked=48, micro=4, world=5, status="failed", failure=failure, script=script)
-        assert "refused" in exercises.check_global_batch(run), (name, failure)
+        assert "refused" in check_global_batch(run), (name, failure)
     for name, (body, why) in CRASHES.items():
         failure, script = guarded_failure(tmp_path / name, body)
         run = fake_run(tmp_path / name, [], asked=48, micro=4, world=5, status="failed", failure=failure, script=script)
         with pytest.raises(AssertionError, match="not with a refusal") as e:
-            exercises.check_global_batch(run)
+            check_global_batch(run)
         assert why in str(e.value), (name, str(e.value))
     refusal, script = guarded_failure(tmp_path / "fits", REFUSALS["exit_text"])
     with pytest.raises(AssertionError, match="ended failed, but 48 samples split"):   # 4 ranks fit: no excuse
-        exercises.check_global_batch(fake_run(tmp_path / "fits", [], asked=48, micro=4, world=4, status="failed",
+        check_global_batch(fake_run(tmp_path / "fits", [], asked=48, micro=4, world=4, status="failed",
                                               failure=refusal, script=script))
     with pytest.raises(AssertionError, match="not before training"):
-        exercises.check_global_batch(fake_run(tmp_path / "late", [[12]] * 5, asked=48, micro=4, status="failed",
+        check_global_batch(fake_run(tmp_path / "late", [[12]] * 5, asked=48, micro=4, status="failed",
                                               failure=refusal, script=script))
     with pytest.raises(AssertionError, match="before it logged the global batch"):  # refused above metrics.log(0, ...)
-        exercises.check_global_batch(fake_run(tmp_path / "early", [], asked=48, micro=4, world=5, status="failed",
+        check_global_batch(fake_run(tmp_path / "early", [], asked=48, micro=4, world=5, status="failed",
                                               failure=refusal, script=script, head=False))

@@ -30,7 +30,7 @@ def source(cell):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_exercise_with_checker_and_solution(name):
     # the convention of 00-05: a starter marked `# your answer here` that the learner runs
-    # through the checker (exercises.grade prints "correct!" or "not yet:"); a collapsed
+    # through the checker (grade prints "correct!" or "not yet:"); a collapsed
     # <details> solution; a hidden solution cell that proves the checker accepts the solution
     # and rejects the starter
     texts = [source(c) for c in cells(name) if c["cell_type"] == "code"]
@@ -231,7 +231,7 @@ def _weights_explained_in_a_comment(batch, n_devices):
 
 
 def test_02_checker_accepts_the_prediction_and_refuses_autograd():
-    from ddp_lesson.notebook.exercises import check_weights
+    from ddp_lesson.notebook.graders.l02 import check_weights
     assert check_weights(_mean_of_means_weights)
     assert check_weights(_weights_explained_in_a_comment)     # names in comments and strings do not count
     for planted in (_weights_via_autograd, _weights_via_hidden_autograd, _weights_via_func_grad,

@@ -682,15 +682,15 @@ def _set_epoch_run(path, shards_per_epoch, n):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_set_epoch_checker_compares_every_pair_of_epochs(tmp_path, world):
     import torch
-    from ddp_lesson.notebook import exercises
+    from ddp_lesson.notebook.graders.l03 import check_set_epoch
     n, epochs = 96, 3
     # the notebook's solution: a permutation from seed + epoch, every world-th index from the rank
     solution = [[torch.randperm(n, generator=torch.Generator().manual_seed(e)).tolist()[r::world]
                  for r in range(world)] for e in range(epochs)]
-    assert "3 epochs" in exercises.check_set_epoch(_set_epoch_run(tmp_path / "ok", solution, n))
+    assert "3 epochs" in check_set_epoch(_set_epoch_run(tmp_path / "ok", solution, n))
     # two orders taken in turn: neighbouring epochs differ, epoch 2 repeats epoch 0
     with pytest.raises(AssertionError, match="same order in epochs 0 and 2"):
-        exercises.check_set_epoch(_set_epoch_run(tmp_path / "alternating", solution[:2] + solution[:1], n))
+        check_set_epoch(_set_epoch_run(tmp_path / "alternating", solution[:2] + solution[:1], n))
     if world == 1:
         return
     # one fixed shuffle whose shards rotate over the ranks: every rank's order and set change
@@ -700,7 +700,7 @@ def test_set_epoch_checker_compares_every_pair_of_epochs(tmp_path, world):
     for a, b in zip(rotating, rotating[1:]):                  # what the old checker compared
         assert all(a[r] != b[r] and set(a[r]) != set(b[r]) for r in range(world))
     with pytest.raises(AssertionError, match="epochs 0 and 1 split the samples into the same shards"):
-        exercises.check_set_epoch(_set_epoch_run(tmp_path / "rotating", rotating, n))
+        check_set_epoch(_set_epoch_run(tmp_path / "rotating", rotating, n))
     # only some rank gets new samples: rank 0 keeps its shard, reordered; the others share the
     # rest anew every epoch (the old checker asked only that some rank's set changed)
     mine = fixed[0::world]
@@ -709,7 +709,7 @@ def test_set_epoch_checker_compares_every_pair_of_epochs(tmp_path, world):
                                                                       .manual_seed(e))][r - 1::world - 1]
                                      for r in range(1, world)] for e in range(epochs)]
     with pytest.raises(AssertionError, match="rank 0 trained on the same samples in epochs 0 and 1"):
-        exercises.check_set_epoch(_set_epoch_run(tmp_path / "keep", keep, n))
+        check_set_epoch(_set_epoch_run(tmp_path / "keep", keep, n))
 
 
 def test_step_timer_is_the_models_one_comm_hook(monkeypatch):

@@ -129,7 +129,7 @@ def test_06_solution_cells_do_not_grade_the_learners_cell():
 
 # -- 07: the exercise's checker follows its spec: None where no rank raised --
 def test_07_first_failure_checker_takes_the_spec_and_rejects_wrong_answers():
-    from ddp_lesson.notebook.exercises import check_first_failure
+    from ddp_lesson.notebook.graders.l07 import check_first_failure
     crashed = {"status": "failed", "failure": {"rank": 1, "message": "RuntimeError: boom\nmore", "exitcode": 1}}
     timed_out = {"status": "timeout", "failure": None}
     no_key = {"status": "timeout"}
@@ -145,7 +145,7 @@ def test_07_first_failure_checker_takes_the_spec_and_rejects_wrong_answers():
 
 # -- 08: the checkers judge what the exercise asks --
 def test_08_check_ranks_takes_any_right_rule_and_no_hard_coded_size():
-    from ddp_lesson.notebook.exercises import check_ranks
+    from ddp_lesson.notebook.graders.l08 import check_ranks
     right = lambda n, l, p: n * p + l
     assert check_ranks(right, lambda env: f"cuda:{int(env['LOCAL_RANK'])}")
     assert check_ranks(right, lambda env: f"cuda:{int(env['RANK']) % int(env['LOCAL_WORLD_SIZE'])}")
@@ -158,7 +158,7 @@ def test_08_check_ranks_takes_any_right_rule_and_no_hard_coded_size():
 
 def test_08_check_job_runs_the_script_and_rejects_near_misses():
     from ddp_lesson.launcher import slurm
-    from ddp_lesson.notebook.exercises import check_job
+    from ddp_lesson.notebook.graders.l08 import check_job
     good = slurm.sbatch_script("ddp_basic.py", nodes=4, gpus_per_node=8, partition="gpu",
                                env={"NCCL_SOCKET_IFNAME": "ib0"}, args=["--epochs", "10"])
     assert check_job(good)

@@ -1,15 +1,11 @@
 """The checks of lesson 11 (the capstone GPT), as functions so that tests can plant the bugs
 they must catch: a model that ignores its context or sees the future, throughput figures
-the wall clock does not back, no speed-up from N ranks, and an exercise answer that holds
-at one world size only. Each raises AssertionError saying what is wrong, or returns figures."""
-import pathlib
+the wall clock does not back, no speed-up from N ranks, FSDP2 that trains another model.
+Each raises AssertionError saying what is wrong, or returns figures. The grader of 11's
+exercise is graders/l11.py."""
 import statistics
-import textwrap
 
 import torch
-
-from . import exercises
-from ..launcher import runs
 
 
 def influence(model, x, cut, seed=1):
@@ -170,58 +166,6 @@ def check_scaling(one, many, key="cpu_s"):
         f"{s['N']} ranks: {s['tN'] * 1e3:.1f} ms per rank per step, not below {s['threshold'] * 1e3:.1f} ms, "
         f"{SCALING_BOUND} x 1 rank's {s['t1'] * 1e3:.1f} ms (predicted {s['predicted'] * 1e3:.1f} ms): no speed-up")
     return s
-
-
-def check_global_batch_at(run_dirs):
-    """11's exercise: exercises.check_global_batch on runs of the same script at two or more
-    world sizes, so that an ACCUM chosen for one world size (6 on 2 ranks) is rejected."""
-    worlds = {}
-    for run_dir in run_dirs:
-        verdict = exercises.check_global_batch(run_dir)
-        worlds[runs.load(run_dir).config["world_size"]] = verdict
-    assert len(worlds) >= 2, f"runs at {sorted(worlds)} rank(s) only: one world size accepts a constant chosen for it"
-    return "; ".join(f"{w} rank(s): {v}" for w, v in sorted(worlds.items()))
-
-
-def check_refusal(script):
-    """11's exercise, without a launch: the lines from `# EXERCISE` to `train_set =`, run here with
-    the script's GLOBAL and MICRO and the smallest world size they do not divide, must refuse:
-    raise with a message. Dividing without refusing would train the wrong global batch there."""
-    lines = pathlib.Path(script).read_text().splitlines()
-    consts = next(l for l in lines if l.startswith("GLOBAL, MICRO"))
-    start = next(i for i, l in enumerate(lines) if l.strip().startswith("# EXERCISE"))
-    end = next(i for i, l in enumerate(lines) if i > start and l.strip().startswith("train_set ="))
-    ns = {}
-    exec(consts, ns)
-    world = next(w for w in range(2, 1000) if ns["GLOBAL"] % (ns["MICRO"] * w))
-    ns.update(world_size=world, local_rank=0, use_cuda=False)
-    try:
-        exec(textwrap.dedent("\n".join(lines[start:end])), ns)
-    except (SystemExit, Exception) as e:
-        why = str((e.code if isinstance(e, SystemExit) else e) or "")
-        assert why and not isinstance(e, (NameError, ImportError, SyntaxError, AttributeError, TypeError)) and not str(why).isdigit(), (
-            f"at {world} ranks the # EXERCISE lines end with {type(e).__name__}({why!r}): not a refusal that says why")
-        return f"refuses {world} ranks: {why}"
-    raise AssertionError(f"at {world} ranks, where {ns['GLOBAL']} samples do not split into micro-batches of "
-                         f"{ns['MICRO']}, the # EXERCISE lines do not refuse: ACCUM = {ns.get('ACCUM')} would "
-                         f"train {ns.get('ACCUM', 0) * ns['MICRO'] * world} samples per step")
-
-
-def attempt_at(script, worlds, timeout=300):
-    """exercises.attempt at each world size in turn, stopping at the first the checker rejects,
-    then check_refusal at a world size that cannot give the global batch. Returns (run dirs, passed)."""
-    dirs = []
-    for nproc in worlds:
-        run_dir, passed = exercises.attempt(script, exercises.check_global_batch, nproc=nproc, timeout=timeout)
-        dirs.append(run_dir)
-        if not passed:
-            return dirs, False
-    try:
-        print("correct at every world size!", check_global_batch_at(dirs), "; and", check_refusal(script))
-        return dirs, True
-    except AssertionError as e:
-        print("not yet:", e)
-        return dirs, False
 
 
 # tolerances for FSDP2 against DDP (--fsdp-check), from the same seed on the same windows:
