@@ -2,9 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
-distributed is marked # DDP (the StepTimer line too: its comm hook does the gradient
-averaging, as DDP's default hook would, and times it). Each optimizer step sees
---global-batch windows of --block bytes, at any world size.
+distributed is marked # DDP. Each optimizer step sees --global-batch windows of --block
+bytes, at any world size.
 """
 import argparse
 import collections
@@ -481,9 +480,7 @@ def main():
     if args.compile:                              # compile first, then DDP (lesson 10)
         model = torch.compile(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
-    # DDP: registers a comm hook that averages gradients like DDP's default (divide by the
-    # world size, all-reduce) and times it: data / compute / waiting in the all-reduce
-    timer = metrics.StepTimer(model)
+    timer = metrics.StepTimer(model, opt)  # data / compute / waiting for the all-reduce; changes nothing
     if rank == 0:
         print(f"world_size={world_size} data: {n_files} files, {len(train_data):,} train bytes, "
               f"{len(val_data):,} val bytes; {sum(p.numel() for p in model.parameters()):,} params; "
