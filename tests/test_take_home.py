@@ -100,3 +100,16 @@ def test_a_changed_shape_is_caught():
     exec(compile(source.replace("radius <= r, ", "radius < r, ", 1), "bad", "exec"), bad.__dict__)
     mine, course = bad.get_data("shapes", False, "data").tensors, data.get("shapes", train=False).tensors
     assert not torch.equal(mine[0], course[0])
+
+
+@pytest.mark.timeout(300)
+def test_capstone_runs_alone_without_the_course(no_course, tmp_path):
+    # its data is this Python's standard library, read by lines it holds; a tiny GPT, 3 steps
+    path = take_home("gpt_ddp", tmp_path)
+    args = ["--layers=1", "--heads=2", "--width=32", "--block=16", "--global-batch=4", "--micro-batch=1",
+            "--steps=3", "--warmup-steps=1", "--eval-every=3", "--eval-windows=4", "--sample-bytes=8",
+            "--train-windows=32", "--amp=off", "--save-at=3"]
+    p = run_alone(path, no_course, args)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "step 3: loss" in p.stdout and "--- sample ---" in p.stdout, p.stdout
+    assert (path.parent / "ckpt_3.pt").exists()

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
 distributed is marked # DDP. Each optimizer step sees --global-batch windows of --block
-bytes, at any world size.
+bytes, at any world size. Lines marked # course are the course's logging and timing; where
+ddp_lesson is not installed they do nothing, and files are saved in the current folder.
 """
 import argparse
 import collections
@@ -31,7 +32,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson import costmodel, metrics
+try:  # course: the course's logging, step timer and all-reduce sweep, for its panel and checks
+    from ddp_lesson.rank import costmodel, metrics  # course
+except ImportError:  # course: outside the course: nothing logged or timed, files saved here
+    from pathlib import Path  # course
+    class metrics:  # course
+        log = lambda step, **values: None  # course
+        run_dir = lambda: Path(".")  # course
+        class StepTimer:  # course
+            def __init__(self, model, opt): self.timed, self.lap = iter, dict  # course
+    costmodel = None  # course
 
 # dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s; "dense": without the
 # 2x "with sparsity" figure, which needs 2:4 structured zeros). SXM (the socketed server module)
@@ -425,6 +435,8 @@ def fsdp_check(args, train_set, accum, device, rank):
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
 def main():
     args = parse_args()
+    if args.allreduce_sweep and costmodel is None:  # course
+        raise SystemExit("--allreduce-sweep needs the course's ddp_lesson.rank.costmodel")  # course
     rank = int(os.environ["RANK"])                # DDP: global rank, set by torchrun
     local_rank = int(os.environ["LOCAL_RANK"])    # DDP: rank on this machine -> which GPU
     world_size = int(os.environ["WORLD_SIZE"])    # DDP: number of processes in the job
