@@ -63,7 +63,7 @@ def load_ipython_extension(ipython):
 # equals the folders' modules.
 _SHORT = {
     **dict.fromkeys(("bundled", "chain", "costmodel", "data", "forked_rank", "guard", "knobs", "metrics",
-                     "models", "netns", "procs", "rundir", "scratch_check", "syncbn", "warm_ranks", "warm_server", "world_messages", "world_rank"),
+                     "models", "netns", "peaks", "procs", "rundir", "scratch_check", "syncbn", "warm_ranks", "warm_server", "world_messages", "world_rank"),
                     "rank"),
     **dict.fromkeys(("checks", "devices", "doctor", "failures", "interrupts", "isolation", "launch", "monitor",
                      "multinode", "runs", "scaling", "slurm", "spec", "stacks", "warm", "world"), "kernel"),

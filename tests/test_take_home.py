@@ -1,6 +1,7 @@
 """Scripts a learner can take home: the reference chain (train_single, ddp_basic, ddp_syncbn,
-ddp_accum), each copied alone into an empty folder, runs under plain torchrun where
-`import ddp_lesson` fails; the data and model they hold are the course's, tensor for tensor."""
+ddp_accum), each copied alone into an empty folder, and the capstone (gpt_ddp.py with its
+gpt_model.py) run under plain torchrun where `import ddp_lesson` fails; the data and model the
+chain's scripts hold are the course's, tensor for tensor."""
 import importlib.util
 import os
 import shutil
@@ -43,10 +44,12 @@ def no_course(tmp_path_factory):
     return env
 
 
-def take_home(name, tmp_path):
-    """The shipped script, copied alone into an empty folder."""
+def take_home(name, tmp_path, *siblings):
+    """The shipped script, copied into an empty folder, with the siblings it imports."""
     folder = tmp_path / "home"
     folder.mkdir()
+    for other in siblings:
+        shutil.copy(bundled.script(f"{other}.py"), folder / f"{other}.py")
     return shutil.copy(bundled.script(f"{name}.py"), folder / f"{name}.py")
 
 
@@ -104,8 +107,9 @@ def test_a_changed_shape_is_caught():
 
 @pytest.mark.timeout(300)
 def test_capstone_runs_alone_without_the_course(no_course, tmp_path):
-    # its data is this Python's standard library, read by lines it holds; a tiny GPT, 3 steps
-    path = take_home("gpt_ddp", tmp_path)
+    # its data is this Python's standard library, read by lines it holds; its model is gpt_model.py,
+    # beside it; a tiny GPT, 3 steps
+    path = take_home("gpt_ddp", tmp_path, "gpt_model")
     args = ["--layers=1", "--heads=2", "--width=32", "--block=16", "--global-batch=4", "--micro-batch=1",
             "--steps=3", "--warmup-steps=1", "--eval-every=3", "--eval-windows=4", "--sample-bytes=8",
             "--train-windows=32", "--amp=off", "--save-at=3"]
