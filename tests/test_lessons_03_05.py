@@ -731,7 +731,9 @@ def test_step_timer_leaves_the_comm_hook_free(monkeypatch):
         model = DDP(torch.nn.Linear(4, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         timer = metrics.StepTimer(model, opt)
+        assert model._get_ddp_logging_data().get("comm_hook") is None   # what 03b's check reads ...
         model.register_comm_hook(None, default_hooks.allreduce_hook)
+        assert model._get_ddp_logging_data().get("comm_hook") == "allreduce_hook"   # ... names a hook
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
         assert model.module.weight.grad is not None and timer.lap()["wait_s"] >= 0
