@@ -53,7 +53,8 @@ def test_sync_bn_flag_takes_no_value():
     assert out.returncode == 2 and "unrecognized arguments: False" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("old,new,max_changed", [("ddp_basic.py", "ddp_syncbn.py", 12),
+# ddp_syncbn.py: 12 lines, and 3 `# course` lines that refuse --sync-bn on CPU ranks without the course
+@pytest.mark.parametrize("old,new,max_changed", [("ddp_basic.py", "ddp_syncbn.py", 15),
                                                  ("ddp_syncbn.py", "ddp_accum.py", 40)])
 def test_each_lesson_script_is_a_small_diff(old, new, max_changed):
     a, b = script(old).read_text().splitlines(), script(new).read_text().splitlines()
