@@ -379,7 +379,8 @@ def main():
                 break
 
     if step_times:  # course: a matmul's rate over windows as long as a median step, all ranks at once as in training
-        rates, cpu_rates = peaks.achievable_rate(device, dtype, min(1.0, sorted(step_times)[len(step_times) // 2]))  # course
+        median_s = sorted(step_times)[len(step_times) // 2]  # course
+        rates, cpu_rates = peaks.achievable_rate(device, dtype, min(1.0, median_s))  # course
         metrics.log(step, achievable_flops=rates, achievable_flops_per_cpu_s=cpu_rates)  # course
     if args.fsdp_check:  # FSDP2 against DDP, in the same ranks, from the same seed
         fsdp_check(args, train_set, accum, device, rank)
