@@ -54,8 +54,8 @@ def take_home(name, tmp_path, *siblings):
 
 
 def run_alone(path, env, args, nproc=2):
-    cmd = [sys.executable, path.name, *args] if nproc is None else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), path.name, *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, path.name, *args] if nproc is None else torchrun + [path.name, *args]
     return subprocess.run(cmd, env=env, cwd=path.parent, capture_output=True, text=True, timeout=240)
 
 
@@ -67,7 +67,7 @@ def test_chain_script_runs_alone_without_the_course(name, no_course, tmp_path):
     p = run_alone(path, no_course, args, nproc=None if name == "train_single" else 2)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "test accuracy" in p.stdout, p.stdout
-    assert sorted(f.name for f in path.parent.iterdir()) == sorted([path.name, "model.pt"])   # nothing but its checkpoint
+    assert sorted(f.name for f in path.parent.iterdir()) == sorted([path.name, "model.pt"])   # and its checkpoint
     state = torch.load(path.parent / "model.pt", weights_only=True)
     assert state.keys() == models.SmallCNN().state_dict().keys()   # the course's model loads it
 
