@@ -13,7 +13,7 @@ swing with other people's load, so the CPU time this process spent watching is p
 well: it does not depend on the load, and its share of the machine's cores bounds what
 the panel can take away from the ranks.
 
---timing: what the step-time fields cost (metrics.StepTimer: its comm hook, the timed
+--timing: what the step-time fields cost (metrics.StepTimer: its gradient and optimizer hooks, the timed
 loader, lap() and the four extra fields in each row; goal: within 2% of throughput). Whole
 runs cannot show 2% on a shared machine: single runs of ddp_basic.py with one setting spread
 7,800-10,000 samples/s here. So one launch builds ddp_basic.py's step three times (same
@@ -98,7 +98,7 @@ def timing_worker(steps, warmup=10):
             torch.manual_seed(0)
             self.model = DDP(models.SmallCNN().to(device), device_ids=[local] if use_cuda else None)
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
-            self.timer = metrics.StepTimer(self.model) if timed else None
+            self.timer = metrics.StepTimer(self.model, self.opt) if timed else None
             self.batches, self.times, self.step, self.fields = None, [], 0, {}
 
         def next_batch(self):  # epoch after epoch, through the timer where there is one

@@ -34,6 +34,18 @@ def test_load_script_reads_edits_without_sys_path(tmp_path, monkeypatch):
     assert sys.path == before
 
 
+def test_load_script_imports_its_siblings_afresh(tmp_path):
+    # gpt_ddp.py imports gpt_model from its own folder, as under `python gpt_ddp.py`
+    import sys
+    work = lesson.work_dir(tmp_path / "work")
+    (work / "main_part.py").write_text("from side_part import N\n")
+    (work / "side_part.py").write_text("N = 1\n")
+    assert lesson.load_script(work / "main_part.py").N == 1
+    (work / "side_part.py").write_text("N = 2\n")
+    assert lesson.load_script(work / "main_part.py").N == 2     # the edit counts
+    assert "side_part" not in sys.modules                        # nothing left behind
+
+
 def test_verdict_reads_the_json_or_says_why_the_check_failed(tmp_path, monkeypatch):
     (tmp_path / "checks").mkdir()
     (tmp_path / "checks" / "vcheck.py").write_text(VERDICT)

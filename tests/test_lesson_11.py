@@ -25,9 +25,11 @@ from ddp_lesson.notebook import capstone
 from ddp_lesson.notebook.graders.l11 import check_global_batch, check_global_batch_at, check_refusal
 from ddp_lesson.launcher import failures, launch, runs
 from ddp_lesson.notebook.lesson import load_script, script
+from ddp_lesson.rank import peaks
 
 pytestmark = pytest.mark.timeout(600)   # three small launches, two at once; a busy machine slows each
 gpt = load_script(script("gpt_ddp.py"))
+gpt_model = load_script(script("gpt_model.py"))
 G, BLOCK, WINDOWS = 12, 32, 30           # 2 steps per epoch, 6 windows left out each epoch
 TINY = ["--layers=1", "--heads=2", "--width=32", f"--block={BLOCK}", f"--global-batch={G}", "--micro-batch=1",
         "--steps=5", "--warmup-steps=2", "--lr=1e-2", "--eval-every=100", "--eval-windows=8",
@@ -68,37 +70,37 @@ REAL_NAMES = {
 
 
 def test_datasheet_peak_of_real_device_names():
-    assert {name: gpt.datasheet_peak(name) for name in REAL_NAMES} == REAL_NAMES
-    assert gpt.datasheet_peak("nvidia a100 80gb pcie") == 312e12                # any case
+    assert {name: peaks.datasheet_peak(name) for name in REAL_NAMES} == REAL_NAMES
+    assert peaks.datasheet_peak("nvidia a100 80gb pcie") == 312e12                # any case
     for name in ("Tesla T4", "Tesla V100-PCIE-16GB", "Tesla V100S-PCIE-32GB"):   # no bf16 tensor cores
-        assert gpt.datasheet_peak(name, torch.bfloat16) is None
-    assert gpt.datasheet_peak("NVIDIA A100 80GB PCIe", torch.bfloat16) == 312e12
+        assert peaks.datasheet_peak(name, torch.bfloat16) is None
+    assert peaks.datasheet_peak("NVIDIA A100 80GB PCIe", torch.bfloat16) == 312e12
 
 
 def test_peak_rate_on_a_gpu_in_the_table_is_its_datasheet_peak(monkeypatch):
     """The datasheet branch reads only the device's name: it runs here without a GPU."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100 80GB PCIe")
-    peak, source, inputs = gpt.peak_rate(torch.device("cuda", 0), torch.float16)
+    peak, source, inputs = peaks.peak_rate(torch.device("cuda", 0), torch.float16)
     assert peak == 312e12 and source.startswith("datasheet (NVIDIA A100 80GB PCIe"), source
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10G")
-    assert gpt.peak_rate(torch.device("cuda", 0), torch.float16)[0] is None     # not in the table: no MFU
+    assert peaks.peak_rate(torch.device("cuda", 0), torch.float16)[0] is None     # not in the table: no MFU
 
 
 def test_cpu_peak_is_cores_times_clock_times_the_widest_units():
     flags = lambda *f: ["fpu", "sse", "sse2", *f]
-    assert gpt.cpu_peak(torch.float32, 2, flags("avx", "avx2", "fma", "avx512f"), 2600)[0] == 2 * 2600e6 * 64
-    assert gpt.cpu_peak(torch.float32, 1, flags("avx", "avx2", "fma"), 3000)[0] == 3000e6 * 32
-    assert gpt.cpu_peak(torch.float32, 1, flags(), 1000)[0] == 1000e6 * 8
-    assert gpt.cpu_peak(torch.float32, 0.5, flags("fma", "avx512f", "amx_bf16"), 1000)[0] == 0.5e9 * 64   # fp32: no AMX
-    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "amx_bf16"), 1000)[0] == 1e9 * 1024
-    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "avx512_bf16"), 1000)[0] == 1e9 * 128
-    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma"), 1000)[0] == 1e9 * 32       # bf16 on the fp32 units
+    assert peaks.cpu_peak(torch.float32, 2, flags("avx", "avx2", "fma", "avx512f"), 2600)[0] == 2 * 2600e6 * 64
+    assert peaks.cpu_peak(torch.float32, 1, flags("avx", "avx2", "fma"), 3000)[0] == 3000e6 * 32
+    assert peaks.cpu_peak(torch.float32, 1, flags(), 1000)[0] == 1000e6 * 8
+    assert peaks.cpu_peak(torch.float32, 0.5, flags("fma", "avx512f", "amx_bf16"), 1000)[0] == 0.5e9 * 64   # fp32: no AMX
+    assert peaks.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "amx_bf16"), 1000)[0] == 1e9 * 1024
+    assert peaks.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "avx512_bf16"), 1000)[0] == 1e9 * 128
+    assert peaks.cpu_peak(torch.bfloat16, 1, flags("fma"), 1000)[0] == 1e9 * 32       # bf16 on the fp32 units
     zen4 = ("AuthenticAMD", 25)                   # Zen 4: AVX-512 on 256-bit units, half the rate
-    assert gpt.cpu_peak(torch.float32, 1, flags("fma", "avx512f"), 1000, zen4)[0] == 1e9 * 32
-    assert gpt.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "avx512_bf16"), 1000, zen4)[0] == 1e9 * 64
-    assert gpt.cpu_peak(torch.float32, 1, flags("fma", "avx512f"), 1000, ("AuthenticAMD", 26))[0] == 1e9 * 64  # Zen 5
-    assert gpt.cpu_peak(torch.float32, 1, flags("fma"), 1000, zen4)[0] == 1e9 * 32   # AVX2 only: as before
-    peak, source, inputs = gpt.peak_rate(torch.device("cpu"), torch.float32)      # this machine, every input shown
+    assert peaks.cpu_peak(torch.float32, 1, flags("fma", "avx512f"), 1000, zen4)[0] == 1e9 * 32
+    assert peaks.cpu_peak(torch.bfloat16, 1, flags("fma", "avx512f", "avx512_bf16"), 1000, zen4)[0] == 1e9 * 64
+    assert peaks.cpu_peak(torch.float32, 1, flags("fma", "avx512f"), 1000, ("AuthenticAMD", 26))[0] == 1e9 * 64  # Zen 5
+    assert peaks.cpu_peak(torch.float32, 1, flags("fma"), 1000, zen4)[0] == 1e9 * 32   # AVX2 only: as before
+    peak, source, inputs = peaks.peak_rate(torch.device("cpu"), torch.float32)      # this machine, every input shown
     assert peak == inputs["cores"] * inputs["mhz"] * 1e6 * inputs["flop_per_cycle"] > 0, (source, inputs)
     assert str(inputs["flop_per_cycle"]) in source and inputs["clock_from"] in source
 
@@ -123,14 +125,14 @@ def test_a_wrong_peak_is_caught_by_a_matmul_faster_than_it():
             rates.append(2 * n ** 3 * count / (time.thread_time() - cpu))
     finally:
         torch.set_num_threads(threads)
-    flags, mhz, clock_from = gpt.read_cpu()
-    real = gpt.cpu_peak(torch.float32, 1, flags, mhz, gpt.read_cpu_id())[0]
+    flags, mhz, clock_from = peaks.read_cpu()
+    real = peaks.cpu_peak(torch.float32, 1, flags, mhz, peaks.read_cpu_id())[0]
     ratio = capstone.check_peak(real, rates, clock_from)
-    if gpt.read_cpu_id() == ("AuthenticAMD", 25) and "avx512f" in flags:   # this course's Zen 4
+    if peaks.read_cpu_id() == ("AuthenticAMD", 25) and "avx512f" in flags:   # this course's Zen 4
         assert 0.6 < ratio, f"one thread reached {ratio:.2f} of Zen 4's 32 FLOP/cycle peak"
     if any(f in flags for f in ("fma", "avx512f")):
         with pytest.raises(AssertionError, match="the peak is wrong"):
-            capstone.check_peak(gpt.cpu_peak(torch.float32, 1, ["sse"], mhz)[0], rates, clock_from)
+            capstone.check_peak(peaks.cpu_peak(torch.float32, 1, ["sse"], mhz)[0], rates, clock_from)
         with pytest.raises(AssertionError, match="the peak is wrong"):       # planted: peak / 4
             capstone.check_peak(real / 4, rates, clock_from)
 
@@ -221,7 +223,7 @@ def test_weight_decay_groups_are_nanogpts():
 
 
 def test_is_causal_equals_the_explicit_mask_and_a_wrong_mask_fails():
-    assert capstone.check_is_causal(gpt.causal_mask) == 0.0               # the expert measured 0.0 too
+    assert capstone.check_is_causal(gpt_model.causal_mask) == 0.0               # the expert measured 0.0 too
     with pytest.raises(AssertionError, match="differ by"):                 # off by one: sees the next byte
         capstone.check_is_causal(lambda T, device: torch.ones(T, T, dtype=torch.bool, device=device).tril(1))
 

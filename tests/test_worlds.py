@@ -210,7 +210,7 @@ def test_the_package_init_is_rank_side(tmp_path, planted, what):
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_a_module_has_only_its_path_as_name(name):
-    """`ddp_lesson.launch` is no module: every module is imported by its path only, so grep,
+    """`ddp_lesson.launcher.launch` is no module: every module is imported by its path only, so grep,
     tracebacks and monkeypatches see one name."""
     if name != "forked_rank":   # a rank's entry file: importing it runs the guard
         real = importlib.import_module(f"ddp_lesson.{MODULES[name]}.{name}")

@@ -10,6 +10,7 @@ This is the one place that builds those paths. Standard library only: scripts in
 use it too (a check that reads a lesson script).
 """
 import importlib.util
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent / "scripts"
@@ -32,9 +33,21 @@ def names(role):
 
 def load(path):
     """Import the Python file `path` as a module, afresh on every call (so edits to a work/
-    file count), without touching sys.path."""
-    path = Path(path)
+    file count). While it runs, its folder comes first on sys.path, as under `python path`,
+    so it imports its siblings (gpt_ddp.py: gpt_model) from there, afresh too; after it,
+    sys.path and sys.modules are as they were."""
+    path = Path(path).resolve()
+    folder = str(path.parent)
+    siblings = {p.stem for p in path.parent.glob("*.py")}
+    saved = {name: sys.modules.pop(name) for name in siblings if name in sys.modules}
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+        for name in siblings:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
     return module

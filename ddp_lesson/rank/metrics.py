@@ -20,15 +20,16 @@ One vocabulary for every script (plots take their axis labels from LABELS):
 
 StepTimer splits each training step of this rank into
 - `data_s`: waiting for the next batch from the loader (timed around its `next()`),
-- `wait_s`: blocked in the gradient all-reduce: from the moment this rank launched its last
-  gradient bucket (its backward is done) until all its buckets' all-reduces completed. A
-  DDP communication hook does the same averaging as DDP's default and notes those two times
-  (on GPUs as CUDA events on the streams). A fast rank waits here for a slow one, because
-  an all-reduce cannot finish before every rank has joined it.
+- `wait_s`: from the moment backward produced this rank's last gradient until its optimizer
+  step began. With DDP's all-reduce still running then, this is the rank waiting for it: a fast
+  rank waits here for a slow one, because an all-reduce cannot finish before every rank has
+  joined it. Whatever the script runs between backward and the step (gpt_ddp.py: unscaling
+  and clipping) counts here too. On GPUs the two moments are CUDA events on the streams.
 - `compute_s`: the rest of the step (forward, backward, optimizer, logging).
 - `mem_mb`: peak CUDA memory of the step on a GPU, the process's resident set on a CPU.
-Collectives outside the gradient all-reduce (e.g. SyncBatchNorm's, in forward) count as
-compute. DDP_LESSON_STEP_TIMES=0 turns the timer off (lap() returns {}), for benchmarks.
+The timer only watches: it leaves DDP's averaging as it is (no comm hook). Collectives outside
+the gradient all-reduce (e.g. SyncBatchNorm's, in forward) count as compute.
+DDP_LESSON_STEP_TIMES=0 turns the timer off (lap() returns {}), for benchmarks.
 """
 import json
 import math
@@ -42,7 +43,7 @@ from . import rundir
 LABELS = {"loss": "training loss (per batch)", "train_accuracy": "training batch accuracy",
           "test_accuracy": "test accuracy", "test_samples": "test samples counted",
           "samples_per_s": "samples / s", "compute_s": "compute per step (s)",
-          "wait_s": "waiting in all-reduce per step (s)", "data_s": "data loading per step (s)",
+          "wait_s": "waiting for the all-reduce per step (s)", "data_s": "data loading per step (s)",
           "mem_mb": "memory (MB)", "epoch_s": "seconds per epoch", "lr": "learning rate",
           "step_ms": "ms per step", "step": "step", "time": "seconds since start"}
 TIME_KEYS = ("data_s", "compute_s", "wait_s")  # a step's parts, in the order they happen
@@ -189,69 +190,45 @@ def rss_mb():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _first(fut):
-    return fut.value()[0]  # an all-reduce's result is [tensor]; DDP wants the tensor
-
-
 class StepTimer:
     """Where this rank's step time goes (see the module docstring).
 
-        timer = metrics.StepTimer(model)            # model: the DDP-wrapped model
-        for x, y in timer.timed(loader): ...        # data_s: time spent in the loader
+        timer = metrics.StepTimer(model, opt)       # the DDP model and its optimizer
+        loader = timer.timed_loader(loader)         # data_s: time spent in the loader
         metrics.log(step, loss=loss, **timer.lap()) # once per optimizer step
 
-    Registers a communication hook on `model`, so call it before the first backward and
-    not together with another comm hook."""
+    Two public hooks note the moments, and change nothing: one on each parameter, run once
+    backward has added to its gradient (Tensor.register_post_accumulate_grad_hook); one on the
+    optimizer, run as its step begins (Optimizer.register_step_pre_hook)."""
 
-    def __init__(self, model):
+    def __init__(self, model, opt):
         import torch
-        import torch.distributed as dist
-        self._torch, self._dist = torch, dist
+        self._torch = torch
         self.enabled = os.environ.get("DDP_LESSON_STEP_TIMES", "1") != "0"
-        device = next(model.parameters()).device
-        self.cuda = device.type == "cuda"
-        self.device = device
+        self.device = next(model.parameters()).device
+        self.cuda = self.device.type == "cuda"
         self._t = time.perf_counter()
         self._data = 0.0
-        self._launched = self._done = None   # host times, or CUDA events on a GPU
-        self._works = []                      # this step's all-reduces still running (CPU)
-        self._group = getattr(model, "process_group", None) or dist.group.WORLD  # the group DDP averages over
-        self._world = self._group.size()
+        self._grad = self._step = None   # host times, or CUDA events on a GPU
         if self.enabled:
-            model.register_comm_hook(None, self._hook)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+            opt.register_step_pre_hook(self._step_begins)
 
-    def _hook(self, state, bucket):
-        """DDP's default averaging (divide, then all-reduce), with the times noted."""
-        buf = bucket.buffer()
-        buf.div_(self._world)
-        if self.cuda:
-            return self._hook_cuda(buf)
-        work = self._dist.all_reduce(buf, group=self._group, async_op=True)
-        if not bucket.is_last():  # DDP launches buckets in order: backward is still running
-            self._works.append(work)
-            return work.get_future().then(_first)
-        # the last bucket: backward is done, and DDP would now wait for every all-reduce of
-        # the step. Waiting here instead is the same, and cheaper than a callback per bucket.
-        self._launched = time.perf_counter()
-        for w in self._works:
-            w.wait()
-        work.wait()
-        self._done, self._works = time.perf_counter(), []
-        fut = self._torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record(self._torch.cuda.current_stream(self.device))
+        return event
 
-    def _hook_cuda(self, buf):
-        torch = self._torch
-        self._launched = torch.cuda.Event(enable_timing=True)
-        self._launched.record(torch.cuda.current_stream(self.device))  # after the gradients
-        fut = self._dist.all_reduce(buf, group=self._group, async_op=True).get_future()
+    def _grad_ready(self, param):
+        self._grad = self._now()   # the last call before the step is backward's last gradient
 
-        def done(f):  # runs on a stream that already waited for the all-reduce
-            self._done = torch.cuda.Event(enable_timing=True)
-            self._done.record(torch.cuda.current_stream(self.device))
-            return f.value()[0]
-        return fut.then(done)
+    def _step_begins(self, opt, args, kwargs):
+        if self._grad is not None and self._step is None:
+            self._step = self._now()   # backward has returned: DDP's all-reduce is done
 
     def timed(self, loader):
         """Yield the loader's batches, adding the time each took to this step's data_s."""
@@ -276,12 +253,12 @@ class StepTimer:
         if not self.enabled:
             return {}
         wait = 0.0
-        if self._launched is not None and self._done is not None:
+        if self._grad is not None and self._step is not None:
             if self.cuda:
-                self._done.synchronize()
-                wait = self._launched.elapsed_time(self._done) / 1000
-            else:  # the last bucket's launch to the last all-reduce's end, in this step
-                wait = self._done - self._launched
+                self._step.synchronize()
+                wait = self._grad.elapsed_time(self._step) / 1000
+            else:
+                wait = self._step - self._grad
         if self.cuda:
             mem = self._torch.cuda.max_memory_allocated(self.device) / 2**20
             self._torch.cuda.reset_peak_memory_stats(self.device)
@@ -293,7 +270,7 @@ class StepTimer:
         data = min(self._data, total - wait)
         out = {"data_s": data, "compute_s": max(total - data - wait, 0.0), "wait_s": wait,
                "mem_mb": round(mem, 1)}
-        self._t, self._data, self._launched, self._done = now, 0.0, None, None
+        self._t, self._data, self._grad, self._step = now, 0.0, None, None
         return out
 
 

@@ -3,6 +3,7 @@
 Writes equivalence.json into the run directory (check() does the work; notebook 03b runs it
 with ddp_checks.py and find_unused.py in one launch, checks_03b.py):
 - different seeds per rank -> different weights before DDP(...), equal after it;
+- DDP averages with its own built-in code: no comm hook on the model;
 - weights allclose to the single-process reference after EVERY step (model without BN);
 - step 1: a few gradient values each rank computed on its own shard, and DDP's after backward;
 - DistributedSampler: without set_epoch every epoch repeats its shuffle, with it they differ.
@@ -88,6 +89,8 @@ def check():
             "world_size": world,
             "weights_equal_before_ddp": equal_before,
             "weights_equal_after_ddp": equal_after,
+            # DDP's own built-in averaging: no comm hook replaced it (DDP's log names one if any)
+            "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
             "steps": max_diff,
             "allclose_every_step": all(s["allclose"] for s in max_diff),
             "rank0_shuffles": shuffles,

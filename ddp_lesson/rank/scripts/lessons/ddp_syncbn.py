@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 ddp_syncbn.py --epochs 2 --batch-size 4 --sync-bn
 Every line that makes it distributed is marked # DDP; a mark on an `if` or `with` covers its block.
 Lines marked # course are the course's own timing and logging, not needed in your code:
-without them it trains the same, to float rounding.
+without them it trains the same, bit for bit. Outside the course they do nothing.
 """
 import argparse
 import os  # DDP: torchrun passes the rank and world size in environment variables
@@ -11,13 +11,69 @@ import time
 
 import torch
 import torch.distributed as dist  # DDP
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record  # DDP
 from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler  # DDP
 
-from ddp_lesson.rank import data, metrics, models, syncbn  # DDP: syncbn, the course's SyncBatchNorm for CPU ranks
+try:  # course: the course's logging and step timer, for its run panel
+    from ddp_lesson.rank import metrics, syncbn  # course
+except ImportError:  # course: outside the course: nothing logged or timed, model.pt saved here
+    class metrics:  # course
+        log = lambda step, **values: None  # course
+        checkpoint_path = lambda: "model.pt"  # course
+        class StepTimer:  # course
+            def __init__(self, model, opt): self.timed_loader, self.lap = (lambda loader: loader), dict  # course
+    class syncbn:  # course: PyTorch's SyncBatchNorm needs GPUs; the course's runs on CPU ranks
+        def convert_sync_batchnorm(model):  # course
+            raise SystemExit("--sync-bn on CPU ranks needs the course's ddp_lesson.rank.syncbn")  # course
+
+
+def shapes(n, seed, noise=0.35, size=16):
+    """The course's data, made from a seed, no download: n noisy drawn shapes (3 x 16 x 16) of
+    10 classes: square, frame, disc, ring, hbar, vbar, plus, cross, diagonal, triangle."""
+    g = torch.Generator().manual_seed(seed)
+    label = torch.randint(0, 10, (n,), generator=g)
+    centre = torch.randint(5, size - 5, (n, 2), generator=g).float()
+    r = torch.randint(3, 6, (n, 1, 1), generator=g).float()
+    grid = torch.arange(size).float()
+    dx = (grid.view(1, 1, size) - centre[:, 0].view(n, 1, 1)).expand(n, size, size)
+    dy = (grid.view(1, size, 1) - centre[:, 1].view(n, 1, 1)).expand(n, size, size)
+    ax, ay, radius = dx.abs(), dy.abs(), (dx ** 2 + dy ** 2).sqrt()
+    box, hbar, vbar = (ax <= r) & (ay <= r), (ay <= 1) & (ax <= r), (ax <= 1) & (ay <= r)
+    masks = [box, box & (torch.maximum(ax, ay) >= r - 1), radius <= r, (radius <= r) & (radius >= r - 1.3),
+             hbar, vbar, hbar | vbar, box & (((dx - dy).abs() <= 1) | ((dx + dy).abs() <= 1)),
+             box & ((dx - dy).abs() <= 1), (dy <= r) & (dy >= -r) & (ax <= (dy + r) / 2)]
+    mask = torch.stack(masks, 1)[torch.arange(n), label].float()
+    colour = torch.rand(n, 3, 1, 1, generator=g) * 0.8 + 0.4
+    images = mask.unsqueeze(1) * colour + noise * torch.randn(n, 3, size, size, generator=g)
+    return TensorDataset(images - 0.2, label)
+
+
+def get_data(name, train, root):
+    """shapes: 4096 training and 1024 test images, from two seeds; or CIFAR-10, in root."""
+    if name == "shapes":
+        return shapes(4096, seed=0) if train else shapes(1024, seed=1)
+    import torchvision
+    from torchvision import transforms
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26))])
+    return torchvision.datasets.CIFAR10(root, train=train, download=False, transform=tf)
+
+
+class SmallCNN(nn.Module):
+    """conv-BN-ReLU-pool twice, then a linear classifier."""
+
+    def __init__(self, image_size=16, width=16, num_classes=10):
+        super().__init__()
+        block = lambda cin, cout: [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                                   nn.ReLU(), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*block(3, width), *block(width, 2 * width))
+        self.classifier = nn.Linear(2 * width * (image_size // 4) ** 2, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
 
 
 def parse_args():
@@ -69,12 +125,12 @@ def main():
               f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     torch.manual_seed(args.seed + rank)  # DDP: a seed per rank, on purpose; DDP(...) makes the weights equal
 
-    train_set = Subset(data.get(args.dataset, train=True, root=args.data_root), range(args.train_samples))
-    test_set = data.get(args.dataset, train=False, root=args.data_root)
+    train_set = Subset(get_data(args.dataset, True, args.data_root), range(args.train_samples))
+    test_set = get_data(args.dataset, False, args.data_root)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)  # DDP: a shard per rank
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)  # DDP
 
-    model = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
+    model = SmallCNN(image_size=32 if args.dataset == "cifar10" else 16).to(device)
     if args.sync_bn:  # DDP: BatchNorm2d -> SyncBatchNorm, before wrapping in DDP
         if device.type == "cuda":  # PyTorch's SyncBatchNorm: statistics gathered over nccl
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -82,10 +138,7 @@ def main():
             model = syncbn.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # course: the StepTimer times each step for the run panel. Its comm hook, a function DDP
-    # course: calls to all-reduce the gradients, gives DDP's average, to float rounding.
-    # course: Not needed in your code. One hook per model: drop the three timer lines to add yours.
-    timer = metrics.StepTimer(model)  # course
+    timer = metrics.StepTimer(model, opt)  # course: times each step for the run panel, changes nothing
     loader = timer.timed_loader(loader)  # course: also times the loading of each batch
     warmup = lambda step: min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
@@ -105,26 +158,26 @@ def main():
             opt.step()
             sched.step()
             step += 1
-            acc = (out.argmax(1) == y).float().mean()
-            row = dict(loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0], epoch=epoch)
-            row.update(timer.lap())  # course: + data_s, compute_s, wait_s, mem_mb
-            metrics.log(step, **row)
+            acc = (out.argmax(1) == y).float().mean()  # course
+            metrics.log(step, loss=loss, train_accuracy=acc, lr=sched.get_last_lr()[0], epoch=epoch,  # course
+                        **timer.lap())  # course: + data_s, compute_s, wait_s, mem_mb
             if rank == 0:  # DDP: only rank 0 draws the progress bar
                 done = (i + 1) * 20 // len(loader)
                 print(f"\repoch {epoch + 1}/{args.epochs} [{'#' * done}{'.' * (20 - done)}] "
                       f"loss {loss.item():.3f}", end="", flush=True)
         epoch_s = time.perf_counter() - t0
         test_acc, test_samples = evaluate(model, test_set, rank, world_size, device)  # DDP: passes rank and world size
-        metrics.log(step, test_accuracy=test_acc, test_samples=test_samples, epoch_s=epoch_s, epoch=epoch)
+        metrics.log(step, test_accuracy=test_acc, test_samples=test_samples, epoch_s=epoch_s, epoch=epoch)  # course
         if rank == 0:  # DDP: one rank prints
             print(f"  test accuracy {test_acc:.1%} ({epoch_s:.1f} s)", flush=True)
 
-    ckpt = metrics.checkpoint_path()
+    ckpt = "model.pt"
+    ckpt = metrics.checkpoint_path()  # course: in the run's folder, where the notebook looks
     if rank == 0:  # DDP: one writer; save the inner model, without the "module." prefix
         torch.save(model.module.state_dict(), ckpt)
     dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
-    plain = models.SmallCNN(image_size=data.IMAGE_SIZE[args.dataset]).to(device)
+    plain = SmallCNN(image_size=32 if args.dataset == "cifar10" else 16).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
     dist.destroy_process_group()  # DDP
 

@@ -1,10 +1,11 @@
 """Lesson 11, the capstone: a small GPT on the standard library's own .py files, with DDP.
+The model is in gpt_model.py, beside this file, as nanoGPT has train.py and model.py.
 
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
-distributed is marked # DDP (the StepTimer line too: its comm hook does the gradient
-averaging, as DDP's default hook would, and times it). Each optimizer step sees
---global-batch windows of --block bytes, at any world size.
+distributed is marked # DDP. Each optimizer step sees --global-batch windows of --block
+bytes, at any world size. Lines marked # course are the course's logging and timing; where
+ddp_lesson is not installed they do nothing, and files are saved in the current folder.
 """
 import argparse
 import collections
@@ -12,7 +13,6 @@ import contextlib
 import glob
 import math
 import os
-import re
 import sysconfig
 import time
 
@@ -22,9 +22,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -32,21 +30,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_lesson.rank import costmodel, metrics
+from gpt_model import GPT, flops_per_token, generate  # the model, in the file beside this one
 
-# dense fp16/bf16 tensor-core peaks from the vendors' datasheets (FLOP/s; "dense": without the
-# 2x "with sparsity" figure, which needs 2:4 structured zeros). SXM (the socketed server module)
-# unless PCIe (a plug-in card) or NVL (H100/H200 NVL cards) is named. GeForce: the FP32-accumulate
-# figure (the sheets also give 2x for FP16 accumulate), since PyTorch's fp16 matmuls accumulate in
-# fp32 unless torch.backends.cuda.matmul.allow_fp16_accumulation is set. The FLOP/s of autocast's
-# matmuls, not of fp32 ones. The T4 and V100 have no bf16 tensor cores: fp16 only (NO_BF16).
-# A GPU not in the table (A10G: no NVIDIA datasheet; GH200, H800, RTX A6000, a MIG slice...) gets no
-# peak and no MFU: add its dense figure here. A CPU's peak comes from the CPU itself: cpu_peak().
-DATASHEET_PEAK = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 NVL": 835e12,
-                  "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12,
-                  "L4": 121e12, "V100": 125e12, "V100 PCIe": 112e12, "V100S": 130e12,
-                  "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
-NO_BF16 = {"T4", "V100", "V100 PCIe", "V100S"}
+try:  # course: the course's logging, step timer, peak FLOP/s and all-reduce sweep
+    from ddp_lesson.rank import costmodel, metrics, peaks  # course
+except ImportError:  # course: outside the course: nothing logged or timed, files saved here
+    from pathlib import Path  # course
+    class metrics:  # course
+        log = lambda step, **values: None  # course
+        run_dir = lambda: Path(".")  # course
+        class StepTimer:  # course
+            def __init__(self, model, opt): self.timed, self.lap = iter, dict  # course
+    class peaks:  # course: no peak, so no MFU
+        peak_rate = lambda device, dtype: (None, "no peak: the course's ddp_lesson.rank.peaks has them", {})  # course
+        achievable_rate = lambda device, dtype, window_s: ([], [])  # course
+    costmodel = None  # course
+
 
 
 def parse_args(argv=None):
@@ -108,175 +107,6 @@ class Windows(Dataset):
         return chunk[:-1], chunk[1:], i
 
 
-# -- the model: a decoder-only transformer (pre-LayerNorm, tied embeddings) -----------------
-def causal_mask(T, device):
-    """True where position i may look at position j: j <= i, itself and the bytes before it.
-    What is_causal=True means; the model does not build it (capstone.check_is_causal compares)."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
-
-
-class Block(nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        # softmax(q kᵀ / sqrt(d_head)) v over the bytes up to each position: PyTorch's fused
-        # attention. is_causal=True, not an attn_mask: on GPUs only then can it pick the flash kernel
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(B, T, C))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers=2, heads=4, width=192, block=64, vocab=256, checkpoint=False):
-        super().__init__()
-        self.checkpoint = checkpoint              # activation checkpointing: see forward
-        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(block, width)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tok.weight        # tied: one matrix reads and writes bytes
-        for m in self.modules():                  # GPT-2's init: small weights, zero biases, a loss near ln 256 at step 0
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
-        for b in self.blocks:                     # ... and the layers that add to the residual stream
-            for m in (b.proj, b.mlp[2]):          # scaled by 1/sqrt(2 L): 2 L of them add up
-                nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * layers))
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            if self.checkpoint and self.training:  # keep only the block's input; the backward reruns its forward
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.head(self.ln(x))
-
-
-def flops_per_token(model, layers, width, block):
-    """6N + 12 L T d, training FLOPs per token (forward 2, backward 4 per weight and token).
-    N counts the weights that multiply: every Linear (the tied head once), not biases,
-    LayerNorms or the position table. 12 L T d: the attention scores and their use on v,
-    over the full T x T (as nanoGPT and PaLM count it), though the causal mask makes half of
-    them unused."""
-    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6 * n + 12 * layers * block * width
-
-
-def datasheet_peak(name, dtype=torch.float16):
-    """The table's entry for a name as torch.cuda.get_device_name() gives it, in three tries,
-    upper or lower case alike: the whole name ("NVIDIA L40" is "L40"; an L40S is not an L4);
-    then without memory words (-80GB, HBM3: "NVIDIA H100 80GB HBM3" is "H100", "Tesla
-    V100-PCIE-16GB" is "V100 PCIe"); then without form-factor words too (SXM4, PCIe:
-    "NVIDIA A100 80GB PCIe" and "NVIDIA A100-SXM4-40GB" are "A100"). Any other word (the "D"
-    of an RTX 4090 D, the "Ti" of a 3090 Ti, a MIG profile) makes it another device: None,
-    as for a device not in the table or a dtype it has no peak for."""
-    words = [w for w in name.replace("-", " ").split() if w.upper() not in ("NVIDIA", "TESLA", "GEFORCE")]
-    no_memory = [w for w in words if not re.fullmatch(r"\d+GB|HBM\d*E?", w, re.I)]
-    no_board = [w for w in no_memory if not re.fullmatch(r"SXM\d*|PCIE", w, re.I)]
-    table = {key.upper(): key for key in DATASHEET_PEAK}
-    for left in (words, no_memory, no_board):
-        key = table.get(" ".join(left).upper())
-        if key:
-            return None if dtype == torch.bfloat16 and key in NO_BF16 else DATASHEET_PEAK[key]
-    return None
-
-
-# FLOP per cycle per core of the widest multiply-add units the CPU flags name, fp32 unless said:
-# AVX-512 (avx512f): 2 FMA units x 16 fp32 lanes x 2 (a multiply and an add), as on Xeon Gold 6xxx,
-# Platinum and Zen 5. AMD Zen 4 (AuthenticAMD, cpu family 25, avx512f: Zen 3 has no AVX-512, Zen 5
-# is family 26) runs 512-bit FMAs on 256-bit units: half, 32 (bf16: 64); cpu_peak halves it.
-# Xeon Bronze, Silver and most Gold 5xxx also flag avx512f but do 32: there this peak is 2x too
-# high, and no flag tells. AVX2 with FMA: 2 x 8 x 2; else SSE: a 4-lane multiply
-# and a 4-lane add per cycle. bf16: AMX (amx_bf16) 1024, as Intel states for its tile unit;
-# AVX512_BF16's dot product 2 x 16 x 2 x 2; else bf16 runs on the fp32 units.
-FLOP_PER_CYCLE = [("amx_bf16", "bf16", 1024), ("avx512_bf16", "bf16", 128),
-                  ("avx512f", "fp32", 64), ("fma", "fp32", 32), ("sse", "fp32", 8)]
-
-
-def read_cpu():
-    """(the first "flags" line of /proc/cpuinfo, split; clock in MHz; where the clock is from),
-    or None where there is no such file or line (macOS; ARM names its units otherwise)."""
-    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    flags, mhz = re.search(r"^flags\s*:(.*)$", info, re.M), re.search(r"^cpu MHz\s*:\s*([\d.]+)", info, re.M)
-    if not flags:
-        return None
-    flags = flags.group(1).split()
-    max_freq = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"    # kHz, where the OS exposes it
-    if os.path.exists(max_freq):
-        return flags, int(open(max_freq).read()) / 1e3, max_freq
-    return (flags, float(mhz.group(1)), "/proc/cpuinfo cpu MHz") if mhz else None
-
-
-def read_cpu_id():
-    """(vendor_id, cpu family) from /proc/cpuinfo, or (None, None)."""
-    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    vendor, family = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.M), re.search(r"^cpu family\s*:\s*(\d+)", info, re.M)
-    return (vendor.group(1) if vendor else None), (int(family.group(1)) if family else None)
-
-
-def cpu_peak(dtype, cores, flags, mhz, cpu_id=(None, None)):
-    """(FLOP/s, inputs): cores x clock x FLOP/cycle of the widest multiply-add unit for dtype;
-    halved for AVX-512 on Zen 4 (cpu_id: vendor and family, as read_cpu_id gives them)."""
-    kind = "bf16" if dtype == torch.bfloat16 else "fp32"
-    unit, per_cycle = next((f, n) for f, k, n in FLOP_PER_CYCLE
-                           if (f in flags or f == "sse") and (k == kind or k == "fp32"))
-    if tuple(cpu_id) == ("AuthenticAMD", 25) and unit.startswith("avx512"):
-        unit, per_cycle = f"{unit} on Zen 4's 256-bit units", per_cycle // 2
-    return cores * mhz * 1e6 * per_cycle, {"cores": cores, "mhz": mhz, "unit": unit, "flop_per_cycle": per_cycle}
-
-
-def peak_rate(device, dtype):
-    """(FLOP/s or None, where from, inputs): the hardware's peak for this rank, MFU's denominator.
-    A GPU: its dense fp16/bf16 datasheet figure (None if not in the table). A CPU: the cores
-    this rank may use (its threads, at most its share of the cores the OS lets the job run on)
-    x clock x FLOP/cycle of the widest multiply-add units the CPU's flags name."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = datasheet_peak(name, dtype) if dtype in (torch.float16, torch.bfloat16) else None
-        if peak:
-            return peak, f"datasheet ({name}, dense {str(dtype).split('.')[-1]})", {}
-        return None, f"no datasheet peak for {name} in {str(dtype).split('.')[-1]}: add it to DATASHEET_PEAK", {}
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cores = min(torch.get_num_threads(), len(os.sched_getaffinity(0)) / ranks_here)
-    if not read_cpu():
-        return None, "no CPU peak: no x86 flags and clock in /proc/cpuinfo", {}
-    flags, mhz, clock_from = read_cpu()
-    peak, inputs = cpu_peak(dtype, cores, flags, mhz, read_cpu_id())
-    return peak, (f"CPU peak: {cores:g} core(s) x {mhz:.0f} MHz ({clock_from}) x {inputs['flop_per_cycle']} "
-                  f"FLOP/cycle ({inputs['unit']})"), dict(inputs, clock_from=clock_from)
-
-
-def achievable_rate(device, dtype, window_s, windows=5):
-    """FLOP/s of back-to-back n x n matmuls, over `windows` windows of window_s seconds each (a
-    step's length): what this rank reaches on one large, clean matrix product, with its threads,
-    under the load of the moment. An achieved rate, not a peak: its spread shows the load.
-    Returns (per wall-clock second, per CPU-second of this process): the second is what one
-    core reached, whatever the load, which check_peak compares with the peak per core."""
-    n = 4096 if device.type == "cuda" else 512
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    rates, cpu_rates = [], []
-    for _ in range(windows):
-        count, start, cpu = 0, time.perf_counter(), time.process_time()
-        while time.perf_counter() - start < window_s:
-            a @ b
-            if a.is_cuda:
-                torch.cuda.synchronize(device)
-            count += 1
-        rates.append(2 * n ** 3 * count / (time.perf_counter() - start))
-        cpu_rates.append(2 * n ** 3 * count / max(time.process_time() - cpu, 1e-9))
-    return sorted(rates), sorted(cpu_rates)
-
-
 def matmul_s(a, b, tries=5, budget_s=1.0):
     """Seconds of one a @ b: the best of up to `tries` timings, fewer once `budget_s` is spent."""
     a @ b
@@ -324,17 +154,6 @@ def evaluate(model, val_set, n_windows, rank, world_size, device, autocast):
     dist.all_reduce(sums)  # DDP: token-weighted: add the sums over ranks, then divide
     model.train()
     return (sums[0] / sums[1]).item(), int(sums[1].item())
-
-
-@torch.no_grad()
-def generate(model, prompt, n, device, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.tensor([list(prompt)], device=device)
-    block = model.pos.num_embeddings
-    for _ in range(n):
-        probs = model(idx[:, -block:])[0, -1].float().softmax(-1)
-        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=g)[None]], 1)
-    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
 # -- FSDP2 as used for a transformer, against DDP in the same ranks (--fsdp-check) ------------
@@ -426,6 +245,8 @@ def fsdp_check(args, train_set, accum, device, rank):
 @record  # DDP: a failing rank's traceback reaches torchrun's error summary
 def main():
     args = parse_args()
+    if args.allreduce_sweep and costmodel is None:  # course
+        raise SystemExit("--allreduce-sweep needs the course's ddp_lesson.rank.costmodel")  # course
     rank = int(os.environ["RANK"])                # DDP: global rank, set by torchrun
     local_rank = int(os.environ["LOCAL_RANK"])    # DDP: rank on this machine -> which GPU
     world_size = int(os.environ["WORLD_SIZE"])    # DDP: number of processes in the job
@@ -453,7 +274,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp, torch.float32)
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=args.amp != "off")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    peak, peak_source, peak_inputs = peak_rate(device, dtype)   # MFU's denominator: the hardware's peak
+    peak, peak_source, peak_inputs = peaks.peak_rate(device, dtype)   # MFU's denominator: the hardware's peak
 
     text, n_files = stdlib_bytes()
     train_data, val_data = split(text)
@@ -481,9 +302,7 @@ def main():
     if args.compile:                              # compile first, then DDP (lesson 10)
         model = torch.compile(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
-    # DDP: registers a comm hook that averages gradients like DDP's default (divide by the
-    # world size, all-reduce) and times it: data / compute / waiting in the all-reduce
-    timer = metrics.StepTimer(model)
+    timer = metrics.StepTimer(model, opt)  # data / compute / waiting for the all-reduce; changes nothing
     if rank == 0:
         print(f"world_size={world_size} data: {n_files} files, {len(train_data):,} train bytes, "
               f"{len(val_data):,} val bytes; {sum(p.numel() for p in model.parameters()):,} params; "
@@ -559,9 +378,10 @@ def main():
             if step >= stop:
                 break
 
-    if step_times:  # a matmul's rate over windows as long as a median step, all ranks at once as in training
-        rates, cpu_rates = achievable_rate(device, dtype, min(1.0, sorted(step_times)[len(step_times) // 2]))
-        metrics.log(step, achievable_flops=rates, achievable_flops_per_cpu_s=cpu_rates)
+    if step_times:  # course: a matmul's rate over windows as long as a median step, all ranks at once as in training
+        median_s = sorted(step_times)[len(step_times) // 2]  # course
+        rates, cpu_rates = peaks.achievable_rate(device, dtype, min(1.0, median_s))  # course
+        metrics.log(step, achievable_flops=rates, achievable_flops_per_cpu_s=cpu_rates)  # course
     if args.fsdp_check:  # FSDP2 against DDP, in the same ranks, from the same seed
         fsdp_check(args, train_set, accum, device, rank)
     if args.allreduce_sweep:  # the same ranks, after training: what one all-reduce of b bytes costs

@@ -1,0 +1,119 @@
+"""Scripts a learner can take home: the reference chain (train_single, ddp_basic, ddp_syncbn,
+ddp_accum), each copied alone into an empty folder, and the capstone (gpt_ddp.py with its
+gpt_model.py) run under plain torchrun where `import ddp_lesson` fails; the data and model the
+chain's scripts hold are the course's, tensor for tensor."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddp_lesson.rank import bundled
+from ddp_lesson.rank import data, models
+
+CHAIN = ("train_single", "ddp_basic", "ddp_syncbn", "ddp_accum")
+
+# Put first on the children's path, it makes every `import ddp_lesson...` fail, as on a machine
+# without the course (the package is installed here, editable, so leaving it off PYTHONPATH is not enough).
+BLOCKER = '''
+import sys
+
+class NoCourse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ddp_lesson" or name.startswith("ddp_lesson."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, NoCourse())
+'''
+
+
+@pytest.fixture(scope="module")
+def no_course(tmp_path_factory):
+    """An environment where `import ddp_lesson` fails, proved before it is used."""
+    site = tmp_path_factory.mktemp("no_course_site")
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDP_LESSON_", "MASTER_", "TORCHELASTIC"))}
+    env.update(PYTHONPATH=str(site), PYTHONNOUSERSITE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    probe = subprocess.run([sys.executable, "-c", "import ddp_lesson"], env=env, cwd=site,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "No module named 'ddp_lesson'" in probe.stderr, probe.stderr
+    return env
+
+
+def take_home(name, tmp_path, *siblings):
+    """The shipped script, copied into an empty folder, with the siblings it imports."""
+    folder = tmp_path / "home"
+    folder.mkdir()
+    for other in siblings:
+        shutil.copy(bundled.script(f"{other}.py"), folder / f"{other}.py")
+    return shutil.copy(bundled.script(f"{name}.py"), folder / f"{name}.py")
+
+
+def run_alone(path, env, args, nproc=2):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, path.name, *args] if nproc is None else torchrun + [path.name, *args]
+    return subprocess.run(cmd, env=env, cwd=path.parent, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", CHAIN)
+def test_chain_script_runs_alone_without_the_course(name, no_course, tmp_path):
+    path = take_home(name, tmp_path)
+    args = ["--epochs", "1", "--train-samples", "128"] + (["--accum-steps", "2"] if name == "ddp_accum" else [])
+    p = run_alone(path, no_course, args, nproc=None if name == "train_single" else 2)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "test accuracy" in p.stdout, p.stdout
+    assert sorted(f.name for f in path.parent.iterdir()) == sorted([path.name, "model.pt"])   # and its checkpoint
+    state = torch.load(path.parent / "model.pt", weights_only=True)
+    assert state.keys() == models.SmallCNN().state_dict().keys()   # the course's model loads it
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"take_home_{name}", bundled.script(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", CHAIN)
+def test_chain_script_makes_the_courses_data_and_model(name):
+    # one truth: ddp_lesson/rank/data.py and models.py; each script's own few lines give the same tensors
+    script = load_script(name)
+    for train in (True, False):
+        mine, course = script.get_data("shapes", train, "data").tensors, data.get("shapes", train=train).tensors
+        assert all(torch.equal(a, b) for a, b in zip(mine, course)), (name, train)
+    for size in (16, 32):
+        torch.manual_seed(3)
+        mine = script.SmallCNN(image_size=size).state_dict()
+        torch.manual_seed(3)
+        course = models.SmallCNN(image_size=size).state_dict()
+        assert mine.keys() == course.keys() and all(torch.equal(mine[k], course[k]) for k in mine)
+
+
+def test_a_changed_shape_is_caught():
+    # the comparison above fails for a script whose data differ in one class's drawing
+    script = load_script("ddp_basic")
+    source = bundled.script("ddp_basic.py").read_text()
+    assert "radius <= r, " in source
+    bad = type(script)("bad")
+    exec(compile(source.replace("radius <= r, ", "radius < r, ", 1), "bad", "exec"), bad.__dict__)
+    mine, course = bad.get_data("shapes", False, "data").tensors, data.get("shapes", train=False).tensors
+    assert not torch.equal(mine[0], course[0])
+
+
+@pytest.mark.timeout(300)
+def test_capstone_runs_alone_without_the_course(no_course, tmp_path):
+    # its data is this Python's standard library, read by lines it holds; its model is gpt_model.py,
+    # beside it; a tiny GPT, 3 steps
+    path = take_home("gpt_ddp", tmp_path, "gpt_model")
+    args = ["--layers=1", "--heads=2", "--width=32", "--block=16", "--global-batch=4", "--micro-batch=1",
+            "--steps=3", "--warmup-steps=1", "--eval-every=3", "--eval-windows=4", "--sample-bytes=8",
+            "--train-windows=32", "--amp=off", "--save-at=3"]
+    p = run_alone(path, no_course, args)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "step 3: loss" in p.stdout and "--- sample ---" in p.stdout, p.stdout
+    assert (path.parent / "ckpt_3.pt").exists()
