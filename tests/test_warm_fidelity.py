@@ -243,9 +243,9 @@ def _private_apis():
         ("torch.cuda._raw_device_count_nvml", lambda: callable(torch.cuda._raw_device_count_nvml)),
         # guard._exit_rank: atexit handlers run before os._exit
         ("atexit._run_exitfuncs", lambda: callable(atexit._run_exitfuncs)),
-        # guard.environ_space / _start_ticks: proc(5) fields 22 and 50-51 of /proc/self/stat
-        ("/proc/self/stat has env_start/env_end (fields 50, 51)",
-         lambda: len(open("/proc/self/stat").read().rsplit(")", 1)[1].split()) >= 51 - 2),
+        # rundir.start_ticks (pid files): proc(5) field 22 of /proc/self/stat, the start time
+        ("/proc/self/stat has starttime (field 22)",
+         lambda: len(open("/proc/self/stat").read().rsplit(")", 1)[1].split()) >= 22 - 2),
     ]
 
 

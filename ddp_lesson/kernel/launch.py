@@ -362,9 +362,12 @@ class Run:
         return interrupts.wait_for(self._done, timeout)
 
     def pids(self):
-        """PIDs of the agent, its descendants and the ranks (warm ones are not its children) alive now."""
+        """PIDs of the agent, its descendants, and the processes the run's pid files name with
+        theirs (warm ranks are not the agent's children) alive now."""
         found = [p.pid for p in procs.tree(self._agent)]
-        return found + [p.pid for p in procs.ranks(self.run_dir) if p.pid not in found]
+        for rec in procs.recorded(self.run_dir):
+            found += [p.pid for p in procs.tree(rec) if p.pid not in found]
+        return found
 
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout=None):

@@ -29,7 +29,7 @@ from . import isolation
 from ..rank import procs
 from ..rank.procs import FOR_ENV
 from ..rank.warm_ranks import PATHS_ENV, Child as Agent, Lost, Unavailable, request
-from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
+from ..rank.warm_server import fingerprint
 
 # read when Python or torch start (TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported,
 # TORCH_LOGS when torch is): a process forked from one started with other values would not be
@@ -135,7 +135,6 @@ class Server:
         me = os.getpid()
         server_env = dict(env)
         server_env[FOR_ENV] = f"{me} {procs.create_time(me)}"
-        server_env[PAD_ENV] = "x" * PAD_BYTES
         for k, v in WARM_DEFAULTS.items():
             server_env.setdefault(k, v)
         # an idle OpenBLAS pool is a thread; ranks on a CPU get OMP_NUM_THREADS=1 anyway

@@ -8,11 +8,11 @@ is armed, it exits at once, so a launcher killed right after start() leaves noth
 
 - the agent (`--agent`, wrapping torchrun; gets SIGTERM so torchrun tears its workers down):
   becomes a child subreaper, so whatever a rank spawns (a daemon, a new session) stays
-  below it; when torchrun returns, fails or is stopped it ends every descendant and every
-  process that carries this run's identity (DDP_LESSON_RUN_DIR and DDP_LESSON_RUN_TOKEN);
+  below it; notes itself in logs/agent.pid; when torchrun returns, fails or is stopped it
+  ends every descendant and every process of this run (procs.run_processes);
   writes logs/agent.failures.json from torchrun's own failure record (rank, exit code,
   error file, timestamp) or the signal that stopped it.
-- a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): sends stdout/stderr to
+- a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): notes itself in logs/rank<R>.pid; sends stdout/stderr to
   logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
   and prints the traceback once, from the script's own frames on; dumps its Python stack to
   logs/rank<R>.stack.log on SIGUSR1 (the launcher asks for it when a run times out).
@@ -184,6 +184,8 @@ def run_agent(argv):
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     os.environ[AGENT_ENV] = str(os.getpid())
     launcher = os.getppid()
+    if _run_identity()[0]:
+        rundir.write_pid(_run_identity()[0], "agent")
     paths = os.environ.pop(WARM_RANKS_ENV, "")
     if paths:   # a warm launch: each rank is forked by its own warm process
         from . import warm_ranks
@@ -249,41 +251,6 @@ def _user_traceback(e):
     return "".join(traceback.format_exception(type(e), e, tb))
 
 
-def environ_space():
-    """(address, size) of the text /proc/<pid>/environ shows: the environment this process's
-    program was started with, which a later change to os.environ does not alter."""
-    with open("/proc/self/stat") as f:
-        data = f.read()
-    fields = data[data.rindex(")") + 2:].split()   # fields[0] is field 3 of proc(5)
-    start, end = int(fields[50 - 3]), int(fields[51 - 3])
-    return start, end - start
-
-
-FIRST_IN_ENVIRON = (rundir.ENV, rundir.TOKEN_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE")
-
-
-def environ_text(env):
-    """The environment as /proc/<pid>/environ holds it, the run's identity first."""
-    keys = [k for k in FIRST_IN_ENVIRON if k in env] + [k for k in env if k not in FIRST_IN_ENVIRON]
-    return b"".join(f"{k}={env[k]}".encode(errors="surrogateescape") + b"\0" for k in keys)
-
-
-def publish_environ():
-    """Make /proc/<pid>/environ show os.environ as it is now. It is how this course knows a
-    run's processes (procs.run_processes, cleanup, the agent's sweep), and a forked process
-    would otherwise show the environment of the process it was forked from. The text is
-    written over the original (the warm process starts with padding for it); what does not
-    fit is left out, whole variables from the end, so the run's identity always fits. libc's
-    own environment no longer points there once os.environ was cleared. True if all fit."""
-    start, size = environ_space()
-    text = environ_text(os.environ)
-    fits = len(text) <= size
-    if not fits:
-        text = text[:text.rindex(b"\0", 0, size) + 1]
-    ctypes.memmove(start, text + b"\0" * (size - len(text)), size)
-    return fits
-
-
 _start_signals = {}
 _inherited_files = weakref.WeakSet()
 
@@ -334,7 +301,11 @@ def _shed_inheritance():
     # inherited file objects are not flushed at the end: their buffers hold the agent's
     # output (it would come out twice) and their locks may be held by a thread not here
     _inherited_files.update(o for o in gc.get_objects() if issubclass(type(o), io.IOBase))
-    publish_environ()  # RANK and the rest, which torch's worker code has just set
+    # a process forked from here shows the warm process's environment in /proc, not the run's:
+    # each one notes itself in the run's logs/, where procs looks (an exec'd one carries the run's)
+    run_dir = os.environ.get(rundir.ENV)
+    if run_dir:
+        os.register_at_fork(after_in_child=lambda: rundir.write_pid(run_dir, f"fork{os.getpid()}"))
     # another thread of the agent may have held a stdio object's lock at the fork; that
     # thread does not exist here, so the lock would never be released: take new objects
     fresh_stdio()
@@ -359,7 +330,7 @@ def run_target(argv, rank=None):
         _shed_inheritance()
     if run_dir and rank is not None:
         _redirect(run_dir, rank)
-        _write_pid(run_dir, rank)
+        rundir.write_pid(run_dir, f"rank{rank}")   # how the launcher finds it (a warm rank is not the agent's child)
     if argv[0] == "-m":
         sys.argv = argv[1:]
         run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
@@ -412,22 +383,6 @@ def _run_file(path, name):
     sys.modules["__main__"] = module   # and it stays: pickles of the script's classes name it
     _main.append(module)
     exec(code, module.__dict__)
-
-
-def _write_pid(run_dir, rank):
-    """logs/rank<R>.pid: "PID START" of this rank, how the launcher finds it (a warm rank is
-    not the agent's child)."""
-    try:
-        with open(rundir.logs(run_dir) / f"rank{rank}.pid", "w") as f:
-            f.write(f"{os.getpid()} {_start_ticks()}\n")
-    except OSError:
-        pass
-
-
-def _start_ticks():
-    with open("/proc/self/stat") as f:
-        data = f.read()
-    return data[data.rindex(")") + 2:].split()[22 - 3]
 
 
 def _wait_for_threads():

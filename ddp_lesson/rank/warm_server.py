@@ -37,9 +37,6 @@ from . import guard, rundir
 # the optimizers import on first use (about half of a rank's start-up on a CPU)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.nn.parallel",
            "torch._dynamo", "torch.optim", "torch.utils.data")
-PAD_ENV = "DDP_LESSON_WARM_PAD"   # room in the warm process's environment for each run's (see guard.publish_environ)
-PAD_BYTES = 48 * 1024
-RANK_ENV_ROOM = 4096              # what torch's agent adds for each rank (RANK, MASTER_ADDR, ...)
 # what it holds of this package, from the package's folder
 OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py", "rank/warm_server.py")
 
@@ -122,7 +119,6 @@ def _become(req, warm_pid, inherited, fds):
         os.environ.update(req["env"])
         if req.get("role") == "rank":
             os.environ[guard.FORKED_ENV] = "1"
-        guard.publish_environ()   # the run's identity, where procs and cleanup look for it
         if req.get("role") == "rank":
             guard.main(["--rank", "--parent", str(warm_pid), *req["args"]])
         else:
@@ -201,12 +197,6 @@ def serve(listener, idle_s=None):
                 if not agents:
                     return
                 continue
-            need = len(guard.environ_text(req.get("env", {}))) + RANK_ENV_ROOM
-            if need > guard.environ_space()[1]:
-                _reply(conn, {"error": f"the launch's environment ({need} bytes) does not fit "
-                                       f"the warm process's ({guard.environ_space()[1]})"})
-                conn.close()
-                continue
             if threads() != 1 or threading.active_count() != 1:
                 _reply(conn, {"error": f"the warm process holds {threads()} threads; it forks only with one"})
                 conn.close()
@@ -216,6 +206,7 @@ def serve(listener, idle_s=None):
             if pid == 0:
                 _become(req, warm_pid, [sel, listener, conn, *agents.values()], (wake_r, wake_w))
             agents[pid] = conn
+            _note(pid, req)
             _reply(conn, {"pid": pid})
         _reap(agents)
         if draining and not agents:
@@ -237,8 +228,27 @@ def _note_early_failure(req):
         pass
 
 
+_folder = None   # this warm process's folder (its socket's), where it notes each child's run
+
+
+def _note(pid, req):
+    """<folder>/<pid>.run: which run the child `pid` serves. A fork shows this process's
+    environment in /proc, not the run's: this note is how procs.warm_children finds it."""
+    env = req.get("env", {})
+    try:
+        rundir.write_json(os.path.join(_folder, f"{pid}.run"), {
+            "run_dir": env.get(rundir.ENV), "token": env.get(rundir.TOKEN_ENV),
+            "start": rundir.start_ticks(pid)})
+    except (OSError, TypeError):
+        pass
+
+
 def _reap(agents):
     for pid, code in guard.reaped():
+        try:
+            os.unlink(os.path.join(_folder, f"{pid}.run"))
+        except (OSError, TypeError):
+            pass
         conn = agents.pop(pid, None)
         if conn is not None:
             _reply(conn, {"exit": code})
@@ -273,7 +283,8 @@ def main(argv=None):
         sys.exit("usage: python -m ddp_lesson.rank.warm_server --parent PID SOCKET [--idle S]")
     parent, path = int(argv[1]), argv[2]
     guard.remember_signals()
-    folder = os.path.dirname(path)
+    global _folder
+    folder = _folder = os.path.dirname(path)
 
     def gone(*_):   # the launcher died (a killed kernel, a stopped server), or this one is done: no folder left behind
         shutil.rmtree(folder, ignore_errors=True)
