@@ -62,8 +62,8 @@ def load_ipython_extension(ipython):
 # list, written out so that an import looks nothing up on disk; tests/test_worlds.py checks that it
 # equals the folders' modules.
 _SHORT = {
-    **dict.fromkeys(("bundled", "chain", "costmodel", "data", "forked_rank", "guard", "knobs", "metrics",
-                     "models", "netns", "procs", "rundir", "scratch_check", "syncbn", "warm_ranks", "warm_server", "world_messages", "world_rank"),
+    **dict.fromkeys(("agent", "bundled", "chain", "costmodel", "data", "guard", "knobs", "metrics",
+                     "models", "netns", "procs", "rundir", "scratch_check", "syncbn", "world_messages", "world_rank"),
                     "rank"),
     **dict.fromkeys(("checks", "devices", "doctor", "failures", "interrupts", "isolation", "launch", "monitor",
                      "multinode", "runs", "scaling", "slurm", "spec", "stacks", "warm", "world"), "kernel"),

@@ -208,7 +208,7 @@ def test_doctor_counts_other_users_and_gives_a_fair_share(other_user):
 
     from ddp_lesson import devices, doctor
     before = len(doctor.other_users())
-    other = subprocess.Popen([PROBE_PYTHON, "-c", "import time; time.sleep(60)", "-m", "ddp_lesson.rank.warm_server"],
+    other = subprocess.Popen([PROBE_PYTHON, "-c", "import time; time.sleep(60)", "-m", "ddp_lesson.rank.warm.server"],
                              user=other_user, group=pwd.getpwnam(other_user).pw_gid, extra_groups=[])
     try:
         assert wait_until(lambda: len(doctor.other_users()) == before + 1, 10)

@@ -24,7 +24,8 @@ import textwrap
 import pytest
 
 from conftest import child_env, wait_until
-from ddp_lesson import launch, runs, warm, warm_server
+from ddp_lesson import launch, runs, warm
+from ddp_lesson.rank.warm import server as warm_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches need Linux")
 
@@ -210,8 +211,8 @@ def test_the_fingerprint_follows_the_installed_packages(tmp_path, monkeypatch):
     assert warm_server.fingerprint() != before
 
 
-# Every private torch or CPython API the warm machinery relies on (rank/warm_server.py,
-# rank/warm_ranks.py, rank/guard.py's forked-rank and exit code): an upgrade that moves one
+# Every private torch or CPython API the warm machinery relies on (the rank/warm/ room,
+# rank/guard.py's exit code): an upgrade that moves one
 # fails here, in one place. (name, check) where check raises or returns False if it moved.
 def _private_apis():
     import atexit
@@ -221,7 +222,7 @@ def _private_apis():
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
     start_src = inspect.getsource(api.SubprocessContext._start)
     return [
-        # warm_ranks.install: SubprocessContext makes each rank's handler through this module
+        # warm.ranks.install: SubprocessContext makes each rank's handler through this module
         # global, and the handler starts the rank in _popen(args, env) with these attributes
         ("api.get_subprocess_handler, called by SubprocessContext._start",
          lambda: callable(api.get_subprocess_handler) and "get_subprocess_handler(" in start_src),
@@ -238,7 +239,7 @@ def _private_apis():
         ("SubprocessContext uses only proc.poll/pid/wait of a handle",
          lambda: all(w in inspect.getsource(api.SubprocessContext)
                      for w in ("proc.poll()", "proc.pid", "proc.wait("))),
-        # warm_server: may a fork use CUDA, can NVML count GPUs
+        # warm.server: may a fork use CUDA, can NVML count GPUs
         ("torch.cuda._is_in_bad_fork", lambda: callable(torch.cuda._is_in_bad_fork)),
         ("torch.cuda._raw_device_count_nvml", lambda: callable(torch.cuda._raw_device_count_nvml)),
         # guard._exit_rank: atexit handlers run before os._exit
@@ -263,7 +264,8 @@ def test_every_private_api_the_warm_machinery_uses_is_where_it_was():
     import re
     from conftest import REPO
     used = set()
-    for f in ("rank/warm_server.py", "rank/warm_ranks.py", "rank/guard.py", "kernel/warm.py"):
+    for f in ("rank/warm/server.py", "rank/warm/ranks.py", "rank/warm/fork.py", "rank/guard.py",
+              "rank/agent.py", "rank/procs.py", "rank/rundir.py", "kernel/warm.py"):
         text = (REPO / "ddp_lesson" / f).read_text()
         used |= set(re.findall(r"\btorch(?:\.\w+)*\.(_[a-z]\w*)\(", text))
         used |= set(re.findall(r"\batexit\.(_\w+)", text))

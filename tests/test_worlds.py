@@ -34,14 +34,14 @@ TOP = {"__init__": "rank", "__main__": "kernel"}   # the two files on top, and t
 # The lazy imports allowed against the direction, each in one function of one top file.
 LAZY = {"__init__.py": ("load_ipython_extension", {"ddp_lesson.notebook.magics.register"})}
 RANK_THIRD_PARTY = {"torch", "torchvision"}
-PROCESS_WRAPPER = {"guard": {"psutil"}, "procs": {"psutil"}}
+PROCESS_WRAPPER = {"guard": {"psutil"}, "agent": {"psutil"}, "procs": {"psutil"}}
 # The modules of the flat layout before the worlds became folders: these names must keep working
 # (dist.py, used only by a test script, moved to tests/scripts/).
 OLD_NAMES = ("bundled", "capstone", "chain", "checks", "costmodel", "data", "devices", "diagrams",
-             "doctor", "exercises", "failures", "forked_rank", "guard", "interrupts", "knobs",
+             "doctor", "exercises", "failures", "guard", "interrupts", "knobs",
              "launch", "lesson", "magics", "metrics", "models", "monitor", "multinode", "plots",
              "procs", "rundir", "runs", "scaling", "simulate", "slurm", "stacks", "syncbn", "warm",
-             "warm_server", "widgets", "world", "world_messages", "world_rank")
+             "widgets", "world", "world_messages", "world_rank")
 
 
 def has_python(folder):
@@ -55,6 +55,8 @@ def short_names(package=PACKAGE):
     out = {}
     for world in WORLDS:
         for p in sorted((package / world).iterdir()):
+            if world == "rank" and p.name == "warm":   # ddp_lesson.rank.warm: real path only (kernel's warm has the short name)
+                continue
             if p.suffix == ".py" and p.stem != "__init__" or (p / "__init__.py").exists():
                 assert p.stem not in out, f"{p.stem} is in {out[p.stem]}/ and {world}/"
                 out[p.stem] = world

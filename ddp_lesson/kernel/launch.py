@@ -10,7 +10,7 @@ and log tails by runs (runs.MetricsTail, runs.log_tail), live views by monitor.M
 torchrun runs as `python -m torch.distributed.run` in its own session, under
 ddp_lesson.rank.guard (ends it if this process dies); each rank runs under the guard too.
 
-Launches are warm by default: warm processes (ddp_lesson.rank.warm_server, one per local rank,
+Launches are warm by default: warm processes (ddp_lesson.rank.warm.server, one per local rank,
 started ahead of need by warm_up()) that have imported torch fork the run's agent, which runs
 that same torchrun, and each rank (the agent asks warm process R for rank R), so nobody
 imports torch again. A launch is cold (a new interpreter for the agent and each rank, the CLI

@@ -107,7 +107,7 @@ def recorded(run_dir):
 
 def warm_children():
     """[(process, run directory, token)] of the processes this user's warm processes forked and
-    still run: a warm process notes each in its folder (warm_server: <pid>.run), since a fork
+    still run: a warm process notes each in its folder (warm.server: <pid>.run), since a fork
     shows its warm process's environment, not the run's."""
     found = []
     for server in warm_processes():

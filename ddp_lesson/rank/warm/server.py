@@ -1,17 +1,17 @@
-"""A warm process of a warm launch: `python -m ddp_lesson.rank.warm_server --parent PID SOCKET [--idle S]`.
+"""A warm process of a warm launch: `python -m ddp_lesson.rank.warm.server --parent PID SOCKET [--idle S]`.
 
 It imports torch and what `DDP(...)` imports once, says hello on stdout and waits on a Unix
 socket. A launcher holds one per local rank, each a separate interpreter (so each has its own
 hash seed). Asked for an agent, one forks a child that becomes the run's torchrun agent: the
 module `torch.distributed.run` that a CLI torchrun runs, under the same guard. That agent asks
-warm process R for rank R (warm_ranks), which forks a child that runs the guarded rank. Each
+warm process R for rank R (warm.ranks), which forks a child that runs the guarded rank. Each
 answer is the child's PID and, once it has reaped it, its exit status. Asked to drain (a newer
 warm process replaces it), it takes no new request and exits once its children have ended.
 With `--idle S`, it exits after S seconds with no child and no request (an idle learner then
 holds no torch in memory); its launcher starts a new one at the next launch.
 
 It holds one thread whenever it forks (it checks), never initializes CUDA, imports of this
-package only the guard (nothing a learner edits), and dies with the process that started it.
+package only the guard and the warm/ room (nothing a learner edits), and dies with the process that started it.
 Standard library and torch only, like the ranks it starts.
 """
 import gc
@@ -31,14 +31,16 @@ import time
 import traceback
 from pathlib import Path
 
-from . import guard, rundir
+from .. import guard, rundir
+from . import fork
 
 # what a rank of a DDP script imports anyway: torch, and torch._dynamo, which DDP(...) and
 # the optimizers import on first use (about half of a rank's start-up on a CPU)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.nn.parallel",
            "torch._dynamo", "torch.optim", "torch.utils.data")
 # what it holds of this package, from the package's folder
-OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py", "rank/warm_server.py")
+OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py", "rank/warm/__init__.py",
+             "rank/warm/fork.py", "rank/warm/server.py")
 
 
 def fingerprint(here=None):
@@ -46,7 +48,7 @@ def fingerprint(here=None):
     installed packages' folders and this package's modules it holds (in `here`, this package's folder by default). A launcher
     compares it with the running process's before every launch, so an upgrade or an edit is
     never served by a stale one."""
-    here = Path(here or Path(__file__).resolve().parents[1])
+    here = Path(here or Path(__file__).resolve().parents[2])
     torch_spec = importlib.util.find_spec("torch")   # finds, does not import
     files = [here / name for name in OWN_FILES]
     if torch_spec and torch_spec.origin:
@@ -103,13 +105,13 @@ def _become(req, warm_pid, inherited, fds):
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(f, fd)
             os.close(f)
-        guard.fresh_stdio()
+        fork.fresh_stdio()
         for f in inherited:
             f.close()
         for fd in fds:
             os.close(fd)
         signal.set_wakeup_fd(-1)
-        guard.restore_signals()   # SIGCHLD's and any other handler of the warm process
+        fork.restore_signals()   # SIGCHLD's and any other handler of the warm process
         os.setsid()   # as start_new_session=True: a terminal's Ctrl-C is not the run's
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -266,7 +268,7 @@ def forks_poisoned(torch):
 
 def nvml_counts(torch):
     """Can torch count GPUs through NVML here? If not, a warm agent asking for GPUs would ask
-    CUDA's runtime and poison its forks (guard.count_gpus_without_cuda)."""
+    CUDA's runtime and poison its forks (kernel.warm sets PYTORCH_NVML_BASED_CUDA_CHECK)."""
     try:
         return torch.cuda._raw_device_count_nvml() >= 0
     except OSError:   # no NVML library: no driver
@@ -280,9 +282,9 @@ def main(argv=None):
         idle_s = float(argv.pop(4))
         argv.pop(3)
     if len(argv) != 3 or argv[0] != "--parent":
-        sys.exit("usage: python -m ddp_lesson.rank.warm_server --parent PID SOCKET [--idle S]")
+        sys.exit("usage: python -m ddp_lesson.rank.warm.server --parent PID SOCKET [--idle S]")
     parent, path = int(argv[1]), argv[2]
-    guard.remember_signals()
+    fork.remember_signals()
     global _folder
     folder = _folder = os.path.dirname(path)
 
@@ -290,7 +292,7 @@ def main(argv=None):
         shutil.rmtree(folder, ignore_errors=True)
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, gone)   # forks put it back (guard.restore_signals)
+    signal.signal(signal.SIGTERM, gone)   # forks put it back (fork.restore_signals)
     guard.watch_parent(signal.SIGTERM, parent)   # the launcher gone: so is this
     hello = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_WRONLY)
