@@ -13,7 +13,8 @@ Each case runs one tiny 2-rank script three ways: warm, cold (launch.start) and 
   `import torch` or in the launch's environment, take effect: the warm launch goes cold and says why;
 - a SIGTERM handler that ends in sys.exit(0) ends its rank without torchrun's SIGKILL;
 - a warm process replaced mid-run (a stale fingerprint) lets that run finish;
-- the fingerprint follows the installed packages' folders (a new .pth, an upgrade).
+- the fingerprint follows the installed packages' folders (a new .pth, an upgrade);
+- an OMP_NUM_THREADS above the core count gives the thread count torchrun's ranks get.
 """
 import json
 import os
@@ -272,3 +273,26 @@ def test_every_private_api_the_warm_machinery_uses_is_where_it_was():
         used |= set(re.findall(r"def (_popen)\(", text))
     listed = " ".join(name for name, _ in _private_apis())
     assert all(u in listed for u in used), used
+
+
+THREADS = """
+import json, os, torch
+with open(os.path.join(os.environ["FIDELITY_OUT"], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"threads": torch.get_num_threads()}, f)
+"""
+
+
+def test_an_omp_num_threads_above_the_cores_gives_what_torchrun_gives(server, write_script, tmp_path, monkeypatch):
+    """A fresh interpreter takes OMP_NUM_THREADS only up to MKL's own count of cores (ATen's
+    init_num_threads sets OpenMP's count to mkl_get_max_threads()); a warm rank, a fork, must
+    not take the number as it is (it did: 3 against 2 on 2 cores)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str((os.cpu_count() or 1) + 1))
+    script = write_script("threads.py", THREADS)
+    seen = {}
+    for mode in MODES:
+        status, how = run_three_ways(mode, script, tmp_path / mode)
+        assert status == "ok", status
+        if mode != "torchrun":
+            assert how["mode"] == mode, how
+        seen[mode] = [info["threads"] for info in ranks(tmp_path / mode)]
+    assert seen["warm"] == seen["cold"] == seen["torchrun"], seen

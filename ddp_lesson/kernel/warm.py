@@ -42,7 +42,7 @@ START_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PY
              "LD_PRELOAD", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
              "LOGLEVEL")   # LOGLEVEL: torch.distributed.elastic's logger
 # OMP_* (libgomp reads them when it loads), but OMP_NUM_THREADS, which each rank applies again
-START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_", "OMP_", "MALLOC_", "CUDA_MODULE_")
+START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_", "OMP_", "MKL_", "MALLOC_", "CUDA_MODULE_")
 NOT_AT_START = ("OMP_NUM_THREADS",)
 READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10

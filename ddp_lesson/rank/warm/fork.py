@@ -26,6 +26,46 @@ def inherited(obj):
     return obj in _inherited_files
 
 
+_default_threads = []   # torch's thread count in the warm process with no OMP_NUM_THREADS set
+
+
+def import_torch_counting_threads(modules):
+    """Import `modules` (torch first) as a new process would, and note the thread count torch
+    takes when OMP_NUM_THREADS is unset: with MKL, ATen's init_num_threads sets OpenMP's count
+    to mkl_get_max_threads(), and MKL (MKL_DYNAMIC, its default) takes OMP_NUM_THREADS only up
+    to the cores it counts; that count is this default. Then this process takes its own
+    OMP_NUM_THREADS as a new one would (apply_thread_count)."""
+    import importlib
+    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        torch = importlib.import_module("torch")
+        _default_threads.append(torch.get_num_threads())
+    finally:
+        if saved is not None:
+            os.environ["OMP_NUM_THREADS"] = saved
+    for name in modules:
+        importlib.import_module(name)
+    apply_thread_count(torch)
+    return torch
+
+
+def apply_thread_count(torch):
+    """torch's thread count from this process's OMP_NUM_THREADS, as `import torch` sets it in a
+    new process: the number; where MKL counts threads, no more than MKL's own count (the
+    measured default: MKL_DYNAMIC caps it), or MKL_NUM_THREADS's where that is set (MKL_*
+    variables that differ from the warm process's make a launch cold: they are the same here)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if not (threads.isdigit() and int(threads) > 0):
+        return
+    n = int(threads)
+    if _default_threads and torch.backends.mkl.is_available():
+        if os.environ.get("MKL_NUM_THREADS"):   # MKL's own variable wins: the default is its count
+            n = _default_threads[0]
+        elif os.environ.get("MKL_DYNAMIC", "").upper() not in ("FALSE", "0", "NO", "N"):
+            n = min(n, _default_threads[0])
+    torch.set_num_threads(n)
+
+
 def remember_signals():
     """Note the signal dispositions this process started with. A process that forks runs
     (the warm process) calls it first, so each fork can be put back as a new interpreter
@@ -83,8 +123,7 @@ def shed_inheritance():
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()   # CUDA's generators too, lazily: it does not initialize CUDA
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))  # what import torch does with it in a new process
+    if torch is not None:
+        apply_thread_count(torch)
     import tempfile
     tempfile.tempdir = None   # found again from this launch's TMPDIR, as a new process would

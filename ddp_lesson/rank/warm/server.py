@@ -298,8 +298,7 @@ def main(argv=None):
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)   # nothing else of ours goes to the launcher's pipe
     os.close(devnull)
-    for name in PRELOAD:
-        importlib.import_module(name)
+    fork.import_torch_counting_threads(PRELOAD)
     # what is here now is shared by every fork: the collector leaves it alone (no copy-on-write
     # of its pages) and gc.get_objects() in a fork lists only what came after (guard's scans)
     gc.freeze()
