@@ -76,6 +76,7 @@ def _found(run_dir=None, token=None, verify=False):
             return tokens[d] is not None and t == tokens[d]
         return True
 
+    servers = []
     for p in _mine():
         try:
             env = p.environ()
@@ -84,7 +85,9 @@ def _found(run_dir=None, token=None, verify=False):
         value = env.get(rundir.ENV)
         if value and ours(os.path.abspath(value), env.get(rundir.TOKEN_ENV)):
             found[p] = os.path.abspath(value)
-    for p, d, t in warm_children():
+        if env.get(FOR_ENV):
+            servers.append(p)
+    for p, d, t in warm_children(servers):
         if ours(d, t):
             found[p] = d
     for d in {want} if want else set(found.values()):
@@ -105,12 +108,12 @@ def recorded(run_dir):
     return [p for f in rundir.pid_files(run_dir) for p in recorded_file(f)]
 
 
-def warm_children():
-    """[(process, run directory, token)] of the processes this user's warm processes forked and
-    still run: a warm process notes each in its folder (warm.server: <pid>.run), since a fork
-    shows its warm process's environment, not the run's."""
+def warm_children(servers=None):
+    """[(process, run directory, token)] of the processes this user's warm processes (`servers`,
+    by default all) forked and still run: a warm process notes each in its folder (warm.server:
+    <pid>.run), since a fork shows its warm process's environment, not the run's."""
     found = []
-    for server in warm_processes():
+    for server in warm_processes() if servers is None else servers:
         try:
             cmd = server.cmdline()
             folder = os.path.dirname(cmd[cmd.index("--parent") + 2])
