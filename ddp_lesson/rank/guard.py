@@ -8,8 +8,8 @@ is armed, it exits at once, so a launcher killed right after start() leaves noth
 
 - the agent (`--agent`, wrapping torchrun; gets SIGTERM so torchrun tears its workers down):
   the agent's side, agent.py.
-- a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): notes itself in logs/rank<R>.pid; sends stdout/stderr to
-  logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
+- a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): notes itself in logs/rank<R>.pid;
+  sends stdout/stderr to logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
   and prints the traceback once, from the script's own frames on; dumps its Python stack to
   logs/rank<R>.stack.log on SIGUSR1 (the launcher asks for it when a run times out).
 - a forked rank (a warm launch: forked by its own warm process, ddp_lesson.rank.warm.server,
