@@ -11,10 +11,10 @@
   runs under tmp_path went the other way.
 - `signal_points(fn, at=...)`: runs fn() with an Interrupt delivered at one chosen point
   where CPython could deliver it, so code can be checked against every such point in turn.
-- `no_leftover_processes` (autouse): after every test, no process whose
-  DDP_LESSON_RUN_DIR lies under this session's pytest temp folder may still be alive
-  (waits a few seconds for them to go, then kills them and fails the test).
-  Processes are matched by the run directory in their environment, never by name, so
+- `no_leftover_processes` (autouse): after every test, no process of a run whose run
+  directory lies under this session's pytest temp folder may still be alive (waits a few
+  seconds for them to go, then kills them and fails the test). Processes are found by the
+  run's identity (procs.run_processes: its environment, its pid files), never by name, so
   other people's runs on the same machine are never touched.
 """
 import dis
@@ -38,20 +38,14 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def _run_dir_of(p):
-    try:
-        return os.path.abspath(p.environ().get(rundir.ENV, "")) + os.sep
-    except psutil.Error:  # gone since it was listed
-        return ""
-
-
 def _processes_under(base):
     base = os.path.abspath(base) + os.sep
-    return [p for p in procs.run_processes() if _run_dir_of(p).startswith(base) and procs.alive(p)]
+    return [p for run_dir, ps in procs.by_run(verify=False).items() if (run_dir + os.sep).startswith(base)
+            for p in ps if procs.alive(p)]
 
 
 def processes_under(base):
-    """Live processes whose DDP_LESSON_RUN_DIR is `base` or below it."""
+    """Live processes of the runs whose run directory is `base` or below it (procs.run_processes)."""
     return _processes_under(base)
 
 

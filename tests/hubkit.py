@@ -516,7 +516,7 @@ def memory(uid):
         kb = {k: sum(int(line.split()[1]) for line in rollup if line.startswith(k))
               for k in ("Pss:", "Private_")}
         kind = ("server" if "jupyterhub.singleuser" in args else "kernel" if "ipykernel" in args
-                else "warm" if "ddp_lesson.rank.warm_server" in args and "ipykernel" in parent else "run")
+                else "warm" if "ddp_lesson.rank.warm.server" in args and "ipykernel" in parent else "run")
         old = kinds.get(kind, [0, 0])
         kinds[kind] = [old[0] + kb["Pss:"] / 1024, old[1] + kb["Private_"] / 1024]
     return {k: [round(v[0]), round(v[1])] for k, v in sorted(kinds.items())}

@@ -39,7 +39,7 @@ def test_a_script_imports_other_scripts_only_from_its_own_folder(path):
 def test_the_package_data_ships_every_script():
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     globs = data["ddp_lesson.rank"]   # the scripts sit in rank/, beside bundled.py
-    assert (REPO / "ddp_lesson" / "kernel" / "slurm_cluster.sh").exists() and data["ddp_lesson.launcher"] == ["slurm_cluster.sh"]
+    assert (REPO / "ddp_lesson" / "launcher" / "slurm_cluster.sh").exists() and data["ddp_lesson.launcher"] == ["slurm_cluster.sh"]
     for path in SHIPPED:
         rel = path.relative_to(bundled.ROOT.parent).as_posix()
         assert any(fnmatch.fnmatch(rel, g) and rel.count("/") == g.count("/") for g in globs), rel

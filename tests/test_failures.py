@@ -222,7 +222,7 @@ Current thread 0x00007ff0f9e57b80 (most recent call first):
   File "<frozen runpy>", line 88 in _run_code
   File "/repo/ddp_lesson/rank/guard.py", line 367 in <lambda>
   File "/repo/ddp_lesson/rank/guard.py", line 377 in run_target
-  File "/repo/ddp_lesson/rank/warm_server.py", line 241 in <module>
+  File "/repo/ddp_lesson/rank/warm/server.py", line 241 in <module>
   File "<frozen runpy>", line 198 in _run_module_as_main
 """
 

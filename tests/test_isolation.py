@@ -9,6 +9,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -209,7 +210,7 @@ def test_doctor_counts_other_users_and_gives_a_fair_share(other_user):
 
     from ddp_lesson.launcher import devices, doctor
     before = len(doctor.other_users())
-    other = subprocess.Popen([PROBE_PYTHON, "-c", "import time; time.sleep(60)", "-m", "ddp_lesson.rank.warm_server"],
+    other = subprocess.Popen([PROBE_PYTHON, "-c", "import time; time.sleep(60)", "-m", "ddp_lesson.rank.warm.server"],
                              user=other_user, group=pwd.getpwnam(other_user).pw_gid, extra_groups=[])
     try:
         assert wait_until(lambda: len(doctor.other_users()) == before + 1, 10)
@@ -269,3 +270,37 @@ def test_every_rank_of_a_run_shares_one_private_network(mode, tmp_path):
         nets.add(net)
     assert len(nets) == 1, f"ranks in different networks: {nets}"
     assert nets != {os.readlink("/proc/self/ns/net")}, "the ranks used this machine's network"
+
+
+SLOW_MAKER = """
+import ctypes, os, sys, time
+from ddp_lesson.rank import netns
+uid, gid = os.geteuid(), os.getegid()
+assert ctypes.CDLL(None, use_errno=True).unshare(netns.CLONE_NEWUSER | netns.CLONE_NEWNET) == 0
+print("unshared", flush=True)
+time.sleep(1)   # a warm process 0 that made its namespaces and has not mapped its ids yet
+for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+time.sleep(60)
+"""
+
+
+def test_a_process_that_joins_a_network_keeps_what_its_maker_has(repo_env):
+    """netns.join waits for the maker's id maps: a peer warm process that joined before them
+    exec'd as an unmapped user, lost its capabilities (root only: a user keeps none anyway),
+    and its ranks got EACCES opening /proc/<agent>/fd/1 (the agent kept them)."""
+    needs_namespaces()
+    if os.geteuid() != 0:
+        pytest.skip("only root keeps capabilities across exec in a namespace it maps to itself")
+    maker = subprocess.Popen([sys.executable, "-c", SLOW_MAKER], env=repo_env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert maker.stdout.readline().strip() == "unshared"
+        show = "print([l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1])"
+        joined = subprocess.run([sys.executable, isolation.NETNS, "--join", str(maker.pid), sys.executable, "-c", show],
+                                env=repo_env, capture_output=True, text=True, timeout=60)
+        assert joined.returncode == 0, joined.stderr
+        assert int(joined.stdout, 16) != 0, "the joined process lost its capabilities at exec"
+    finally:
+        maker.kill()
+        maker.wait()

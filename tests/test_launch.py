@@ -407,15 +407,10 @@ def test_rank_killed_by_sigkill_is_explained(tmp_run_dir):
 # -- elastic restart -------------------------------------------------------------------------
 
 def _rank_process(run_dir, rank):
-    for p in procs.run_processes(run_dir):
-        try:
-            env = p.environ()
-            if env.get("RANK") == str(rank) and env.get("DDP_LESSON_RUN_DIR") == str(run_dir) \
-                    and p.status() != psutil.STATUS_ZOMBIE:
-                return p
-        except psutil.Error:
-            continue
-    return None
+    """Rank `rank` of the run, alive now, from its pid file (a warm rank's environment in /proc
+    is its warm process's)."""
+    found = procs.recorded_file(rundir.pid_file(run_dir, f"rank{rank}"))
+    return found[0] if found else None
 
 
 @pytest.mark.timeout(150)

@@ -22,8 +22,8 @@ import time
 import pytest
 
 from conftest import SCRIPTS, child_env, processes_under, wait_until
-from ddp_lesson.rank import guard
 from ddp_lesson.launcher import launch
+from ddp_lesson.rank import agent
 
 pytestmark = pytest.mark.usefixtures("launch_mode", "launches_went_that_way")  # warm, then cold
 
@@ -132,6 +132,6 @@ def test_ten_launcher_kills_leave_nothing(tmp_path):
         # torchrun's own teardown usually ends everything within a few seconds; where it does not
         # finish (seen once in 20 warm kills at load 10, one core), the agent's guard ends the
         # whole run AGENT_TEARDOWN_S after its parent died: that is the promise checked here
-        if not leaves_nothing(run_dir, timeout=guard.AGENT_TEARDOWN_S + 5):
+        if not leaves_nothing(run_dir, timeout=agent.AGENT_TEARDOWN_S + 5):
             left.append((i, [(p.pid, p.cmdline()[:4]) for p in processes_under(run_dir)]))
-    assert not left, f"processes left {guard.AGENT_TEARDOWN_S + 5} s after the launcher was killed: {left}"
+    assert not left, f"processes left {agent.AGENT_TEARDOWN_S + 5} s after the launcher was killed: {left}"

@@ -1,4 +1,4 @@
-"""Warm launches (`launch.warm_up`, ddp_lesson.rank.warm_server, ddp_lesson.launcher.warm): a run's agent
+"""Warm launches (`launch.warm_up`, ddp_lesson.rank.warm.server, ddp_lesson.launcher.warm): a run's agent
 is forked from warm process 0 and rank R from warm process R (each has imported torch), and
 each rank is still what a CLI torchrun gives it (test_warm_fidelity.py: case by case, with
 plain torchrun as the reference).
@@ -28,7 +28,8 @@ import pytest
 
 from conftest import REPO, child_env, processes_under, wait_until
 from ddp_lesson.launcher import doctor, launch, runs, warm
-from ddp_lesson.rank import guard, procs, warm_server
+from ddp_lesson.rank import guard, procs
+from ddp_lesson.rank.warm import server as warm_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches need Linux")
 
@@ -54,7 +55,9 @@ with open(out, "w") as f:
 
 
 # All of ddp_lesson a rank holds before its script runs, warm or cold.
+# (a warm rank also holds the warm room it was forked by: its warm process is in it)
 RANK_PRELOAD = {"ddp_lesson", "ddp_lesson.rank", "ddp_lesson.rank.guard", "ddp_lesson.rank.rundir"}
+WARM_ROOM = {"ddp_lesson.rank.warm", "ddp_lesson.rank.warm.fork"}
 
 
 def shown(run, nproc):
@@ -93,7 +96,7 @@ def test_warm_and_cold_ranks_get_the_same_torchrun(server, write_script, tmp_pat
         assert w["argv"] == c["argv"] == ["--lr", "0.1"]
         # the guard and its run directory names, nothing else of ours: not what a learner edits
         # (metrics, models, data), not the kernel's supervision (by real names: short names are aliases)
-        assert set(w["ours_before"]) <= RANK_PRELOAD and set(c["ours_before"]) <= RANK_PRELOAD, (w, c)
+        assert set(w["ours_before"]) <= RANK_PRELOAD | WARM_ROOM and set(c["ours_before"]) <= RANK_PRELOAD, (w, c)
         assert sorted(w["env"]) == sorted(c["env"]), set(w["env"]) ^ set(c["env"])
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                   "ROLE_NAME", "MASTER_ADDR", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT",
@@ -127,7 +130,7 @@ def test_the_warm_process_holds_one_thread_no_cuda_and_only_the_guard(server):
         finally:
             server.hello = hello
     assert server.why_not(dict(env, CUDA_VISIBLE_DEVICES="")) is None   # CPU ranks need no NVML
-    assert set(hello["modules"]) <= {"ddp_lesson", "ddp_lesson.rank", "ddp_lesson.rank.guard", "ddp_lesson.rank.rundir"}
+    assert set(hello["modules"]) <= RANK_PRELOAD | WARM_ROOM
     assert psutil.Process(server.pid).ppid() == os.getpid()
 
 
@@ -144,7 +147,7 @@ def test_edits_count_and_tracebacks_show_the_scripts_lines(server, write_script)
     assert "value 1" in runs.log_tail(run.run_dir, 0)
     error = json.loads((run.run_dir / "logs" / "rank1.error.json").read_text())
     assert f'"{run.run_dir / "script.py"}", line 5' in error["traceback"], error["traceback"]
-    for plumbing in ("warm_server", "forked_rank", "multiprocessing", "runpy"):
+    for plumbing in ("warm/server.py", "warm/fork.py", "multiprocessing", "runpy"):
         assert plumbing not in error["traceback"], error["traceback"]
     assert error["traceback"].count("ValueError: planted") == 1
     write_script("helper_mod.py", "VALUE = 2\n")   # the module next to the script, edited
@@ -286,7 +289,7 @@ def test_cleanup_ends_a_warm_process_whose_launcher_is_gone(repo_env, tmp_path):
     # ours, and one whose launcher "PID 1 started at 0" is not alive (PID 1 started later)
     for owner in (f"{os.getpid()} {procs.create_time(os.getpid())}", "1 0.0"):
         env = dict(repo_env, **{procs.FOR_ENV: owner})
-        started.append(subprocess.Popen([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent",
+        started.append(subprocess.Popen([sys.executable, "-m", "ddp_lesson.rank.warm.server", "--parent",
                                          str(os.getpid()), str(tmp_path / f"s{len(started)}")],
                                         env=env, stdout=subprocess.PIPE, start_new_session=True))
     try:

@@ -13,7 +13,8 @@ Each case runs one tiny 2-rank script three ways: warm, cold (launch.start) and 
   `import torch` or in the launch's environment, take effect: the warm launch goes cold and says why;
 - a SIGTERM handler that ends in sys.exit(0) ends its rank without torchrun's SIGKILL;
 - a warm process replaced mid-run (a stale fingerprint) lets that run finish;
-- the fingerprint follows the installed packages' folders (a new .pth, an upgrade).
+- the fingerprint follows the installed packages' folders (a new .pth, an upgrade);
+- an OMP_NUM_THREADS above the core count gives the thread count torchrun's ranks get.
 """
 import json
 import os
@@ -25,7 +26,7 @@ import pytest
 
 from conftest import child_env, wait_until
 from ddp_lesson.launcher import launch, runs, warm
-from ddp_lesson.rank import warm_server
+from ddp_lesson.rank.warm import server as warm_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches need Linux")
 
@@ -211,8 +212,8 @@ def test_the_fingerprint_follows_the_installed_packages(tmp_path, monkeypatch):
     assert warm_server.fingerprint() != before
 
 
-# Every private torch or CPython API the warm machinery relies on (rank/warm_server.py,
-# rank/warm_ranks.py, rank/guard.py's forked-rank and exit code): an upgrade that moves one
+# Every private torch or CPython API the warm machinery relies on (the rank/warm/ room,
+# rank/guard.py's exit code): an upgrade that moves one
 # fails here, in one place. (name, check) where check raises or returns False if it moved.
 def _private_apis():
     import atexit
@@ -222,7 +223,7 @@ def _private_apis():
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
     start_src = inspect.getsource(api.SubprocessContext._start)
     return [
-        # warm_ranks.install: SubprocessContext makes each rank's handler through this module
+        # warm.ranks.install: SubprocessContext makes each rank's handler through this module
         # global, and the handler starts the rank in _popen(args, env) with these attributes
         ("api.get_subprocess_handler, called by SubprocessContext._start",
          lambda: callable(api.get_subprocess_handler) and "get_subprocess_handler(" in start_src),
@@ -239,14 +240,14 @@ def _private_apis():
         ("SubprocessContext uses only proc.poll/pid/wait of a handle",
          lambda: all(w in inspect.getsource(api.SubprocessContext)
                      for w in ("proc.poll()", "proc.pid", "proc.wait("))),
-        # warm_server: may a fork use CUDA, can NVML count GPUs
+        # warm.server: may a fork use CUDA, can NVML count GPUs
         ("torch.cuda._is_in_bad_fork", lambda: callable(torch.cuda._is_in_bad_fork)),
         ("torch.cuda._raw_device_count_nvml", lambda: callable(torch.cuda._raw_device_count_nvml)),
         # guard._exit_rank: atexit handlers run before os._exit
         ("atexit._run_exitfuncs", lambda: callable(atexit._run_exitfuncs)),
-        # guard.environ_space / _start_ticks: proc(5) fields 22 and 50-51 of /proc/self/stat
-        ("/proc/self/stat has env_start/env_end (fields 50, 51)",
-         lambda: len(open("/proc/self/stat").read().rsplit(")", 1)[1].split()) >= 51 - 2),
+        # rundir.start_ticks (pid files): proc(5) field 22 of /proc/self/stat, the start time
+        ("/proc/self/stat has starttime (field 22)",
+         lambda: len(open("/proc/self/stat").read().rsplit(")", 1)[1].split()) >= 22 - 2),
     ]
 
 
@@ -264,10 +265,34 @@ def test_every_private_api_the_warm_machinery_uses_is_where_it_was():
     import re
     from conftest import REPO
     used = set()
-    for f in ("rank/warm_server.py", "rank/warm_ranks.py", "rank/guard.py", "launcher/warm.py"):
+    for f in ("rank/warm/server.py", "rank/warm/ranks.py", "rank/warm/fork.py", "rank/guard.py",
+              "rank/agent.py", "rank/procs.py", "rank/rundir.py", "launcher/warm.py"):
         text = (REPO / "ddp_lesson" / f).read_text()
         used |= set(re.findall(r"\btorch(?:\.\w+)*\.(_[a-z]\w*)\(", text))
         used |= set(re.findall(r"\batexit\.(_\w+)", text))
         used |= set(re.findall(r"def (_popen)\(", text))
     listed = " ".join(name for name, _ in _private_apis())
     assert all(u in listed for u in used), used
+
+
+THREADS = """
+import json, os, torch
+with open(os.path.join(os.environ["FIDELITY_OUT"], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"threads": torch.get_num_threads()}, f)
+"""
+
+
+def test_an_omp_num_threads_above_the_cores_gives_what_torchrun_gives(server, write_script, tmp_path, monkeypatch):
+    """A fresh interpreter takes OMP_NUM_THREADS only up to MKL's own count of cores (ATen's
+    init_num_threads sets OpenMP's count to mkl_get_max_threads()); a warm rank, a fork, must
+    not take the number as it is (it did: 3 against 2 on 2 cores)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str((os.cpu_count() or 1) + 1))
+    script = write_script("threads.py", THREADS)
+    seen = {}
+    for mode in MODES:
+        status, how = run_three_ways(mode, script, tmp_path / mode)
+        assert status == "ok", status
+        if mode != "torchrun":
+            assert how["mode"] == mode, how
+        seen[mode] = [info["threads"] for info in ranks(tmp_path / mode)]
+    assert seen["warm"] == seen["cold"] == seen["torchrun"], seen

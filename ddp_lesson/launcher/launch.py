@@ -10,7 +10,7 @@ and log tails by runs (runs.MetricsTail, runs.log_tail), live views by monitor.M
 torchrun runs as `python -m torch.distributed.run` in its own session, under
 ddp_lesson.rank.guard (ends it if this process dies); each rank runs under the guard too.
 
-Launches are warm by default: warm processes (ddp_lesson.rank.warm_server, one per local rank,
+Launches are warm by default: warm processes (ddp_lesson.rank.warm.server, one per local rank,
 started ahead of need by warm_up()) that have imported torch fork the run's agent, which runs
 that same torchrun, and each rank (the agent asks warm process R for rank R), so nobody
 imports torch again. A launch is cold (a new interpreter for the agent and each rank, the CLI
@@ -364,9 +364,12 @@ class Run:
         return interrupts.wait_for(self._done, timeout)
 
     def pids(self):
-        """PIDs of the agent, its descendants and the ranks (warm ones are not its children) alive now."""
+        """PIDs of the agent, its descendants, and the processes the run's pid files name with
+        theirs (warm ranks are not the agent's children) alive now."""
         found = [p.pid for p in procs.tree(self._agent)]
-        return found + [p.pid for p in procs.ranks(self.run_dir) if p.pid not in found]
+        for rec in procs.recorded(self.run_dir):
+            found += [p.pid for p in procs.tree(rec) if p.pid not in found]
+        return found
 
     # -- control ----------------------------------------------------------------------
     def wait(self, timeout=None):

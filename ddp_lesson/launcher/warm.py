@@ -1,6 +1,6 @@
-"""The launcher's side of warm launches: one warm process per local rank (ddp_lesson.rank.warm_server,
+"""The launcher's side of warm launches: one warm process per local rank (ddp_lesson.rank.warm.server,
 each its own interpreter), started ahead of need, checked before every launch; the first is
-asked for each run's torchrun agent, which asks warm process R for rank R (rank.warm_ranks).
+asked for each run's torchrun agent, which asks warm process R for rank R (rank.warm.ranks).
 
     server = warm.Server(env)        # from a long-lived thread: the processes die with that thread's process
     server.ready(timeout)            # True once they have imported torch and said hello
@@ -28,8 +28,8 @@ from pathlib import Path
 from . import isolation
 from ..rank import procs
 from ..rank.procs import FOR_ENV
-from ..rank.warm_ranks import PATHS_ENV, Child as Agent, Lost, Unavailable, request
-from ..rank.warm_server import PAD_BYTES, PAD_ENV, fingerprint
+from ..rank.warm.ranks import PATHS_ENV, Child as Agent, Lost, Unavailable, request
+from ..rank.warm.server import fingerprint
 
 # read when Python or torch start (TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported,
 # TORCH_LOGS when torch is): a process forked from one started with other values would not be
@@ -42,7 +42,7 @@ START_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PY
              "LD_PRELOAD", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
              "LOGLEVEL")   # LOGLEVEL: torch.distributed.elastic's logger
 # OMP_* (libgomp reads them when it loads), but OMP_NUM_THREADS, which each rank applies again
-START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_", "OMP_", "MALLOC_", "CUDA_MODULE_")
+START_PREFIXES = ("TORCH", "PYTORCH_", "KMP_", "GOMP_", "OMP_", "MKL_", "MALLOC_", "CUDA_MODULE_")
 NOT_AT_START = ("OMP_NUM_THREADS",)
 READ_LATER = ("TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 REPLY_TIMEOUT_S = 10
@@ -135,7 +135,6 @@ class Server:
         me = os.getpid()
         server_env = dict(env)
         server_env[FOR_ENV] = f"{me} {procs.create_time(me)}"
-        server_env[PAD_ENV] = "x" * PAD_BYTES
         for k, v in WARM_DEFAULTS.items():
             server_env.setdefault(k, v)
         # an idle OpenBLAS pool is a thread; ranks on a CPU get OMP_NUM_THREADS=1 anyway
@@ -143,7 +142,7 @@ class Server:
         server_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"   # asking for GPUs must not initialize CUDA
         with open(os.path.join(self.dir, "server.log"), "wb") as log:
             self.proc = subprocess.Popen(   # in a private network: so are the runs it forks (isolation.py);
-                isolation.wrap([sys.executable, "-m", "ddp_lesson.rank.warm_server", "--parent", str(me), self.path,
+                isolation.wrap([sys.executable, "-m", "ddp_lesson.rank.warm.server", "--parent", str(me), self.path,
                                 *self._idle_args(join)], join=join),   # a peer joins warm process 0's, where the agent's store is
                 env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                 start_new_session=True, cwd=os.getcwd())

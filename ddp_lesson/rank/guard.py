@@ -7,19 +7,16 @@ expected parent (--parent, or the agent's PID for a rank) is already gone by the
 is armed, it exits at once, so a launcher killed right after start() leaves nothing.
 
 - the agent (`--agent`, wrapping torchrun; gets SIGTERM so torchrun tears its workers down):
-  becomes a child subreaper, so whatever a rank spawns (a daemon, a new session) stays
-  below it; when torchrun returns, fails or is stopped it ends every descendant and every
-  process that carries this run's identity (DDP_LESSON_RUN_DIR and DDP_LESSON_RUN_TOKEN);
-  writes logs/agent.failures.json from torchrun's own failure record (rank, exit code,
-  error file, timestamp) or the signal that stopped it.
-- a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): sends stdout/stderr to
-  logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
+  the agent's side, agent.py.
+- a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): notes itself in logs/rank<R>.pid;
+  sends stdout/stderr to logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
   and prints the traceback once, from the script's own frames on; dumps its Python stack to
   logs/rank<R>.stack.log on SIGUSR1 (the launcher asks for it when a run times out).
-- a forked rank (a warm launch: forked by its own warm process, ddp_lesson.rank.warm_server,
-  at the agent's request, see warm_ranks): the same, after it has shed what it inherited (the
-  warm process's signal handlers and stdio objects; torch's and numpy's random state, the
-  temporary folder) and taken OMP_NUM_THREADS as a fresh process would.
+- a forked rank (a warm launch: forked by its own warm process, ddp_lesson.rank.warm.server,
+  at the agent's request, see warm.ranks): the same, after it has shed what it inherited
+  (warm.fork.shed_inheritance: the warm process's signal handlers and stdio objects; torch's
+  and numpy's random state, the temporary folder; OMP_NUM_THREADS as a fresh process takes it).
+This file is the rank's side; the agent's is agent.py, the fork machinery's the warm/ package.
 A rank imports only the standard library here, so the guard adds nothing measurable to
 its start-up.
 """
@@ -38,21 +35,17 @@ import threading
 import time
 import traceback
 import warnings
-import weakref
 
 from . import rundir
 
-WARM_RANKS_ENV = "DDP_LESSON_WARM_RANKS"   # warm_ranks.PATHS_ENV (not imported: cold ranks need nothing of it)
 PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 AGENT_ENV = "DDP_LESSON_AGENT_PID"   # a rank's expected parent: the torchrun agent
-AGENT_TEARDOWN_S = 15                # after its parent died, torchrun's teardown gets this long
 STACK_SIGNAL = signal.SIGUSR1
 FORKED_ENV = "DDP_LESSON_FORKED"     # set by a warm launch: ranks are forked, not started
 SCRIPT_ENV = "DDP_LESSON_SCRIPT"     # the learner's own file, which the run directory's script.py copies
 
 
-def _prctl(option, value):
+def prctl(option, value):
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -69,7 +62,7 @@ def watch_parent(sig=signal.SIGKILL, parent=None, interval=0.5, on_orphan=None):
     here would interrupt a graceful teardown (torchrun's) half-way. The polling thread
     sends it only where prctl is missing, and then calls `on_orphan` (the agent's
     backstop) in both cases."""
-    armed = _prctl(PR_SET_PDEATHSIG, sig)
+    armed = prctl(PR_SET_PDEATHSIG, sig)
     if parent is None:
         parent = os.getppid()
     if os.getppid() != parent:  # died before prctl was armed: nothing has started yet
@@ -110,43 +103,6 @@ def watch_pid(pid, sig=signal.SIGKILL, interval=0.5):
     threading.Thread(target=wait, name="ddp-lesson-agent-guard", daemon=True).start()
 
 
-def _exists(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-# -- the agent --------------------------------------------------------------------------------
-
-def _run_identity():
-    return os.environ.get(rundir.ENV), os.environ.get(rundir.TOKEN_ENV)
-
-
-def sweep():
-    """End every descendant of this process and every process of this run (same run
-    directory and token), then reap what became our children. Called by the agent last."""
-    try:
-        import psutil
-        from ddp_lesson.rank import procs
-    except ImportError:
-        return
-    try:
-        found = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        found = []
-    run_dir, token = _run_identity()
-    if run_dir and token:
-        found += procs.run_processes(run_dir, token=token)
-    procs.kill_all(found)
-    procs.wait_gone(found, timeout=5)
-    for _ in reaped():   # a subreaper inherits orphans: collect their exit statuses
-        pass
-
-
 def reaped():
     """(pid, exit status as Popen gives it) of each child that has ended, without waiting."""
     while True:
@@ -159,53 +115,14 @@ def reaped():
         yield pid, os.waitstatus_to_exitcode(status)
 
 
-def _write_failures(data):
-    run_dir, _ = _run_identity()
-    if not run_dir:
-        return
+def _exists(pid):
     try:
-        rundir.write_json(rundir.agent_failures(run_dir), data)
-    except OSError:
-        pass
-
-
-def _record_agent_exit(e):
-    """torchrun's own structured record of the final attempt, not its printed summary."""
-    if type(e).__name__ == "ChildFailedError":
-        rows = [{"rank": int(rank), "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
-                 "error_file": f.error_file, "timestamp": f.timestamp, "message": f.message}
-                for rank, f in sorted(e.failures.items())]
-        _write_failures({"failures": rows, "time": time.time()})
-    elif type(e).__name__ == "SignalException":
-        _write_failures({"signal": getattr(e, "sigval", signal.SIGTERM).name, "time": time.time()})
-
-
-def run_agent(argv):
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    os.environ[AGENT_ENV] = str(os.getpid())
-    launcher = os.getppid()
-    paths = os.environ.pop(WARM_RANKS_ENV, "")
-    if paths:   # a warm launch: each rank is forked by its own warm process
-        from . import warm_ranks
-        warm_ranks.install(paths.split(os.pathsep))
-    try:
-        run_target(argv, rank=None)
-    except BaseException as e:
-        _record_agent_exit(e)
-        raise
-    finally:
-        sweep()
-        if os.getppid() != launcher:   # nobody is left to say how the run ended: say it here
-            rundir.record_orphaned(_run_identity()[0])
-
-
-def _orphaned_agent():
-    """The launcher died; torchrun got SIGTERM and tears down. If that takes too long,
-    end the subtree and exit anyway."""
-    time.sleep(AGENT_TEARDOWN_S)
-    sweep()
-    rundir.record_orphaned(_run_identity()[0])
-    os._exit(1)
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 # -- a rank -----------------------------------------------------------------------------------
@@ -249,117 +166,19 @@ def _user_traceback(e):
     return "".join(traceback.format_exception(type(e), e, tb))
 
 
-def environ_space():
-    """(address, size) of the text /proc/<pid>/environ shows: the environment this process's
-    program was started with, which a later change to os.environ does not alter."""
-    with open("/proc/self/stat") as f:
-        data = f.read()
-    fields = data[data.rindex(")") + 2:].split()   # fields[0] is field 3 of proc(5)
-    start, end = int(fields[50 - 3]), int(fields[51 - 3])
-    return start, end - start
-
-
-FIRST_IN_ENVIRON = (rundir.ENV, rundir.TOKEN_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE")
-
-
-def environ_text(env):
-    """The environment as /proc/<pid>/environ holds it, the run's identity first."""
-    keys = [k for k in FIRST_IN_ENVIRON if k in env] + [k for k in env if k not in FIRST_IN_ENVIRON]
-    return b"".join(f"{k}={env[k]}".encode(errors="surrogateescape") + b"\0" for k in keys)
-
-
-def publish_environ():
-    """Make /proc/<pid>/environ show os.environ as it is now. It is how this course knows a
-    run's processes (procs.run_processes, cleanup, the agent's sweep), and a forked process
-    would otherwise show the environment of the process it was forked from. The text is
-    written over the original (the warm process starts with padding for it); what does not
-    fit is left out, whole variables from the end, so the run's identity always fits. libc's
-    own environment no longer points there once os.environ was cleared. True if all fit."""
-    start, size = environ_space()
-    text = environ_text(os.environ)
-    fits = len(text) <= size
-    if not fits:
-        text = text[:text.rindex(b"\0", 0, size) + 1]
-    ctypes.memmove(start, text + b"\0" * (size - len(text)), size)
-    return fits
-
-
-_start_signals = {}
-_inherited_files = weakref.WeakSet()
-
-
-def remember_signals():
-    """Note the signal dispositions this process started with. A process that forks runs
-    (the warm process) calls it first, so each fork can be put back as a new interpreter
-    would be: torchrun's agent handles SIGTERM by raising an exception, and a rank forked
-    from it would otherwise raise it in the learner's code instead of ending."""
-    for sig in signal.valid_signals():
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            handler = signal.getsignal(sig)
-        except (OSError, ValueError):
-            continue
-        if handler is not None:
-            _start_signals[sig] = handler
-
-
-def restore_signals():
-    for sig, handler in _start_signals.items():
-        try:
-            signal.signal(sig, handler)
-        except (OSError, ValueError):
-            pass
-
-
-def fresh_stdio():
-    """New sys.stdout and sys.stderr on file descriptors 1 and 2, unbuffered like `python -u`:
-    for a forked process, whose inherited objects belong to the process it was copied from."""
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                  write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                  write_through=True, errors="backslashreplace")
-
-
 def forked():
     """Is this rank a forked worker of a warm launch (not a fresh interpreter)?"""
     return os.environ.get(FORKED_ENV) == "1"
 
 
-def _shed_inheritance():
-    """What a forked rank must not keep from the warm process it was forked from. That
-    process only imported torch and waited, so its atexit handlers are what `import torch`
-    registers in a new interpreter too: they stay."""
-    restore_signals()
-    # inherited file objects are not flushed at the end: their buffers hold the agent's
-    # output (it would come out twice) and their locks may be held by a thread not here
-    _inherited_files.update(o for o in gc.get_objects() if issubclass(type(o), io.IOBase))
-    publish_environ()  # RANK and the rest, which torch's worker code has just set
-    # another thread of the agent may have held a stdio object's lock at the fork; that
-    # thread does not exist here, so the lock would never be released: take new objects
-    fresh_stdio()
-    # seeded once in the warm process, every rank would draw alike; a new process seeds
-    # from the OS (Python's random reseeds itself after a fork)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.seed()   # CUDA's generators too, lazily: it does not initialize CUDA
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))  # what import torch does with it in a new process
-    import tempfile
-    tempfile.tempdir = None   # found again from this launch's TMPDIR, as a new process would
-
-
 def run_target(argv, rank=None):
     run_dir = os.environ.get(rundir.ENV)
     if rank is not None and forked():
-        _shed_inheritance()
+        from .warm import fork
+        fork.shed_inheritance()
     if run_dir and rank is not None:
         _redirect(run_dir, rank)
-        _write_pid(run_dir, rank)
+        rundir.write_pid(run_dir, f"rank{rank}")   # how the launcher finds it (a warm rank is not the agent's child)
     if argv[0] == "-m":
         sys.argv = argv[1:]
         run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
@@ -414,22 +233,6 @@ def _run_file(path, name):
     exec(code, module.__dict__)
 
 
-def _write_pid(run_dir, rank):
-    """logs/rank<R>.pid: "PID START" of this rank, how the launcher finds it (a warm rank is
-    not the agent's child)."""
-    try:
-        with open(rundir.logs(run_dir) / f"rank{rank}.pid", "w") as f:
-            f.write(f"{os.getpid()} {_start_ticks()}\n")
-    except OSError:
-        pass
-
-
-def _start_ticks():
-    with open("/proc/self/stat") as f:
-        data = f.read()
-    return data[data.rindex(")") + 2:].split()[22 - 3]
-
-
 def _wait_for_threads():
     """What the interpreter does before atexit: wait for every non-daemon thread."""
     me = threading.current_thread()
@@ -448,12 +251,14 @@ def _exit_rank(code):
     flushing every open file."""
     if "torch.distributed" not in sys.modules and not forked():
         sys.exit(code)
+    # a forked rank leaves alone the file objects it inherited (warm.fork.shed_inheritance noted them)
+    inherited = getattr(sys.modules.get("ddp_lesson.rank.warm.fork"), "inherited", lambda obj: False)
     _wait_for_threads()
     atexit._run_exitfuncs()
     with warnings.catch_warnings():  # looking at every object must not print deprecations
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if issubclass(type(obj), io.IOBase) and obj not in _inherited_files:  # type(): no __class__ lookup on proxies
+            if issubclass(type(obj), io.IOBase) and not inherited(obj):  # type(): no __class__ lookup on proxies
                 try:
                     if not obj.closed:
                         obj.flush()
@@ -479,15 +284,19 @@ def main(argv=None):
         role = "rank"
     if role == "rank" and parent is None and os.environ.get(AGENT_ENV):
         parent = int(os.environ[AGENT_ENV])
-    watch_parent(sig, parent, on_orphan=_orphaned_agent if role == "agent" else None)
-    agent = os.environ.get(AGENT_ENV)
-    if role == "rank" and agent and int(agent) != parent:
-        watch_pid(int(agent), sig)   # a warm rank: its warm process forked it, for this agent
     if role == "agent":
-        run_agent(argv)
-    else:
-        run_target(argv, rank=os.environ.get("RANK", "0") if role == "rank" else None)
+        from . import agent
+        watch_parent(sig, parent, on_orphan=agent.orphaned)
+        agent.run_agent(argv)
+        return
+    watch_parent(sig, parent)
+    agent_pid = os.environ.get(AGENT_ENV)
+    if role == "rank" and agent_pid and int(agent_pid) != parent:
+        watch_pid(int(agent_pid), sig)   # a warm rank: its warm process forked it, for this agent
+    run_target(argv, rank=os.environ.get("RANK", "0") if role == "rank" else None)
 
 
 if __name__ == "__main__":
-    main()
+    # the package's own module runs, not a second copy named __main__ (agent.py imports it)
+    from ddp_lesson.rank import guard
+    guard.main()

@@ -123,7 +123,8 @@ def log_process(step=0, **values):
 
 def bad_fork():
     """Whether torch says this process is a fork of one that asked CUDA's runtime: then it
-    cannot use a GPU. A warm rank is a fork of the agent (guard.count_gpus_without_cuda)."""
+    cannot use a GPU. A warm rank is a fork of a warm process (launcher/warm.py starts it with
+    PYTORCH_NVML_BASED_CUDA_CHECK=1, so asking for GPUs asks NVML, not CUDA's runtime)."""
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda._is_in_bad_fork())
 

@@ -47,6 +47,11 @@ def enter():
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
+def _mapped(pid):
+    with open(f"/proc/{pid}/gid_map") as f:
+        return bool(f.read().strip())
+
+
 def join(pid, wait_s=30.0):
     """Move this (single-threaded) process into the user and network namespace of process `pid`,
     once it has made them (it may still be starting). We own that user namespace, so we hold
@@ -54,7 +59,11 @@ def join(pid, wait_s=30.0):
     import time
     mine = os.readlink("/proc/self/ns/net")
     end = time.monotonic() + wait_s
-    while os.readlink(f"/proc/{pid}/ns/net") == mine:   # raises if pid is gone
+    # and until it has mapped its ids (enter() writes gid_map last): a process that joins and
+    # execs before then is not root there, even where it is root outside, so exec drops its
+    # capabilities; a fork of it then cannot open /proc/<pid>/fd/N of a process that kept them
+    # (EACCES: a warm rank opening its agent's output, now and then, as root)
+    while os.readlink(f"/proc/{pid}/ns/net") == mine or not _mapped(pid):   # raises if pid is gone
         if time.monotonic() > end:
             raise OSError(0, f"process {pid} made no network of its own within {wait_s:.0f} s")
         time.sleep(0.005)

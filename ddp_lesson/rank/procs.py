@@ -1,7 +1,11 @@
-"""Finding and ending the processes of a run: by PID (the tree under torchrun) and by the
-run's identity every process of it carries in its environment (DDP_LESSON_RUN_DIR and the
-per-run DDP_LESSON_RUN_TOKEN, also kept in config.json); never by name."""
+"""Finding and ending the processes of a run, by identity, never by name: the tree under
+torchrun; the run's identity a process started by exec carries in its environment
+(DDP_LESSON_RUN_DIR and the per-run DDP_LESSON_RUN_TOKEN, also kept in config.json); the pid
+files in the run's logs/ ("PID START": each guarded process, and each process a forked rank
+forks, notes itself there), and a warm process's note of what it forked; and everything
+below those."""
 import os
+import re
 import signal
 import time
 
@@ -43,31 +47,93 @@ def is_alive(pid, started):
 
 
 def run_processes(run_dir=None, token=None):
-    """This user's processes carrying DDP_LESSON_RUN_DIR (equal to run_dir if given, and
-    DDP_LESSON_RUN_TOKEN equal to token if given), except this one and its ancestors."""
+    """This user's processes of the run at run_dir (of every run if None), except this one and
+    its ancestors: those whose environment names the run (DDP_LESSON_RUN_DIR, and
+    DDP_LESSON_RUN_TOKEN equal to token if given: a process started by exec carries them),
+    those its pid files name (logs/*.pid: the agent, the ranks, what a forked rank forked), those
+    a warm process forked for it, and every descendant of these."""
+    return list(_found(run_dir, token))
+
+
+def _found(run_dir=None, token=None, verify=False):
+    """{process: its run directory} (see run_processes). verify: a process found by its
+    environment counts only if its token is the one in its run directory's config.json."""
     try:
-        ancestors = {p.pid for p in psutil.Process().parents()}
+        skip = {p.pid for p in psutil.Process().parents()} | {os.getpid()}
     except psutil.Error:
-        ancestors = set()
+        skip = {os.getpid()}
     want = os.path.abspath(run_dir) if run_dir else None
-    found = []
+    found, tokens = {}, {}
+
+    def ours(d, t):
+        if want is not None and d != want:
+            return False
+        if token is not None:
+            return t == token
+        if verify:
+            if d not in tokens:
+                tokens[d] = _config_token(d)
+            return tokens[d] is not None and t == tokens[d]
+        return True
+
+    servers = []
     for p in _mine():
-        if p.pid in ancestors:
-            continue
         try:
             env = p.environ()
         except psutil.Error:
             continue
         value = env.get(rundir.ENV)
-        if value and (want is None or os.path.abspath(value) == want) \
-                and (token is None or env.get(rundir.TOKEN_ENV) == token):
-            found.append(p)
+        if value and ours(os.path.abspath(value), env.get(rundir.TOKEN_ENV)):
+            found[p] = os.path.abspath(value)
+        if env.get(FOR_ENV):
+            servers.append(p)
+    for p, d, t in warm_children(servers):
+        if ours(d, t):
+            found[p] = d
+    for d in {want} if want else set(found.values()):
+        for p in recorded(d):
+            found.setdefault(p, d)
+    for p, d in list(found.items()):
+        try:
+            for child in p.children(recursive=True):
+                found.setdefault(child, d)
+        except psutil.Error:
+            continue
+    return {p: d for p, d in found.items() if p.pid not in skip and alive(p)}
+
+
+def recorded(run_dir):
+    """The processes the run's pid files name (logs/*.pid) alive now: a pid whose process
+    started at another moment is a later process given the same number, not the run's."""
+    return [p for f in rundir.pid_files(run_dir) for p in recorded_file(f)]
+
+
+def warm_children(servers=None):
+    """[(process, run directory, token)] of the processes this user's warm processes (`servers`,
+    by default all) forked and still run: a warm process notes each in its folder (warm.server:
+    <pid>.run), since a fork shows its warm process's environment, not the run's."""
+    found = []
+    for server in warm_processes() if servers is None else servers:
+        try:
+            cmd = server.cmdline()
+            folder = os.path.dirname(cmd[cmd.index("--parent") + 2])
+            children = server.children()
+        except (psutil.Error, ValueError, IndexError):
+            continue
+        for child in children:
+            note = rundir.read_json(os.path.join(folder, f"{child.pid}.run"))
+            try:
+                if note["run_dir"] and rundir.start_ticks(child.pid) == note["start"]:
+                    found.append((child, os.path.abspath(note["run_dir"]), note.get("token")))
+            except (TypeError, KeyError, OSError, ValueError):
+                continue
     return found
 
 
 def warm_processes():
     """{process: (launcher pid, launcher start time)} of this user's warm processes (the
-    ones warm launches fork from), found by the variable each carries in its environment."""
+    ones warm launches fork from), found by the variable each carries in its environment;
+    and the processes forked from one, which show its environment."""
     found = {}
     for p in _mine():
         try:
@@ -101,21 +167,13 @@ def alive(p):
         return False
 
 
-def by_run():
-    """{run_dir: [processes]} of this user's ddp_lesson runs alive now: processes whose
-    DDP_LESSON_RUN_DIR names a run directory whose config.json holds the same token as
-    their DDP_LESSON_RUN_TOKEN. A process that merely carries the variable is not ours."""
-    groups, tokens = {}, {}
-    for p in run_processes():
-        try:
-            env = p.environ()
-        except psutil.Error:
-            continue
-        run_dir = os.path.abspath(env.get(rundir.ENV))
-        if run_dir not in tokens:
-            tokens[run_dir] = _config_token(run_dir)
-        if tokens[run_dir] and env.get(rundir.TOKEN_ENV) == tokens[run_dir]:
-            groups.setdefault(run_dir, []).append(p)
+def by_run(verify=True):
+    """{run_dir: [processes]} of this user's ddp_lesson runs alive now (run_processes). A
+    process whose environment merely carries DDP_LESSON_RUN_DIR is not ours: its token must be
+    the one in that run directory's config.json (unless verify=False)."""
+    groups = {}
+    for p, d in _found(verify=verify).items():
+        groups.setdefault(d, []).append(p)
     return groups
 
 
@@ -138,19 +196,22 @@ def wait_gone(procs, timeout):
 
 
 def ranks(run_dir):
-    """The ranks of a run alive now, from their pid files (logs/rank<R>.pid, "PID START" with
-    START in clock ticks since boot): a warm rank is not a child of the agent."""
-    found = []
-    for f in sorted(rundir.logs(run_dir).glob("rank*.pid")):
-        try:
-            pid, ticks = f.read_text().split()
-            p = psutil.Process(int(pid))
-            started = psutil.boot_time() + int(ticks) / os.sysconf("SC_CLK_TCK")
-            if abs(p.create_time() - started) < 0.05 and alive(p):
-                found.append(p)
-        except (OSError, ValueError, psutil.Error):
-            continue
-    return found
+    """The ranks of a run alive now, from their pid files (logs/rank<R>.pid): a warm rank is
+    not a child of the agent."""
+    return [p for f in rundir.pid_files(run_dir) if re.fullmatch(r"rank\d+\.pid", f.name)
+            for p in recorded_file(f)]
+
+
+def recorded_file(path):
+    """[the process] a pid file names, if it is alive and started when the file says; else []."""
+    entry = rundir.read_pid(path)
+    try:
+        p = psutil.Process(entry[0])
+        if rundir.start_ticks(p.pid) == entry[1] and alive(p):
+            return [p]
+    except (TypeError, OSError, ValueError, psutil.Error):
+        pass
+    return []
 
 
 def end_tree(pid, grace=5.0, run_dir=None, token=None):

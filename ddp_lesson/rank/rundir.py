@@ -5,7 +5,8 @@ its creation, and atomic JSON writes. Standard library only: ranks and the guard
     config.json  script.py  result.json  model.pt (the lesson scripts' trained weights)
     torchrun/    torchrun's own --log-dir
     logs/        agent.log, agent.failures.json, rank<R>.stdout.log, rank<R>.stderr.log,
-                 rank<R>.error.json, rank<R>.stack.log
+                 rank<R>.error.json, rank<R>.stack.log; agent.pid, rank<R>.pid, fork<PID>.pid
+                 (how a run's processes are found, see write_pid)
     metrics/     rank<R>.jsonl
 """
 import json
@@ -81,6 +82,42 @@ def error_files(run_dir):
 
 def stack_file(run_dir, rank):
     return logs(run_dir) / f"rank{rank}.stack.log"
+
+
+def pid_file(run_dir, name):
+    """logs/<name>.pid: "PID START" of one process of the run (START: proc(5)'s starttime,
+    clock ticks after boot, so that a later process given the same PID is not taken for it)."""
+    return logs(run_dir) / f"{name}.pid"
+
+
+def pid_files(run_dir):
+    return sorted(logs(run_dir).glob("*.pid"))
+
+
+def start_ticks(pid="self"):
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        data = f.read()
+    return int(data[data.rindex(")") + 2:].split()[22 - 3])
+
+
+def write_pid(run_dir, name):
+    """Record this process in logs/<name>.pid: a process forked from another one shows that
+    one's environment in /proc, so its DDP_LESSON_RUN_DIR cannot be how it is found."""
+    try:
+        with open(pid_file(run_dir, name), "w") as f:
+            f.write(f"{os.getpid()} {start_ticks()}\n")
+    except OSError:
+        pass
+
+
+def read_pid(path):
+    """(pid, start ticks) from a pid file, None if it cannot be read."""
+    try:
+        pid, ticks = Path(path).read_text().split()
+        return int(pid), int(ticks)
+    except (OSError, ValueError):
+        return None
 
 
 def world_key(run_dir):

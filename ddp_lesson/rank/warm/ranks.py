@@ -112,7 +112,9 @@ def _own_output(fd):
     """Where this agent's file descriptor `fd` writes, for a rank another process forks: the
     file's own path where it is a file. Another process opening /proc/<agent>/fd/<fd> needs
     ptrace-read access to the agent, which the kernel refused now and then (EACCES, seen as a
-    rank 1 that exited with status 1 before its guard started)."""
+    rank 1 that exited with status 1 before its guard started: a peer warm process that had
+    joined warm process 0's namespace before its ids were mapped held no capabilities, the
+    agent all; netns.join now waits for the maps)."""
     try:
         path = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:

@@ -1,17 +1,17 @@
-"""A warm process of a warm launch: `python -m ddp_lesson.rank.warm_server --parent PID SOCKET [--idle S]`.
+"""A warm process of a warm launch: `python -m ddp_lesson.rank.warm.server --parent PID SOCKET [--idle S]`.
 
 It imports torch and what `DDP(...)` imports once, says hello on stdout and waits on a Unix
 socket. A launcher holds one per local rank, each a separate interpreter (so each has its own
 hash seed). Asked for an agent, one forks a child that becomes the run's torchrun agent: the
 module `torch.distributed.run` that a CLI torchrun runs, under the same guard. That agent asks
-warm process R for rank R (warm_ranks), which forks a child that runs the guarded rank. Each
+warm process R for rank R (warm.ranks), which forks a child that runs the guarded rank. Each
 answer is the child's PID and, once it has reaped it, its exit status. Asked to drain (a newer
 warm process replaces it), it takes no new request and exits once its children have ended.
 With `--idle S`, it exits after S seconds with no child and no request (an idle learner then
 holds no torch in memory); its launcher starts a new one at the next launch.
 
 It holds one thread whenever it forks (it checks), never initializes CUDA, imports of this
-package only the guard (nothing a learner edits), and dies with the process that started it.
+package only the guard and the warm/ room (nothing a learner edits), and dies with the process that started it.
 Standard library and torch only, like the ranks it starts.
 """
 import gc
@@ -31,17 +31,16 @@ import time
 import traceback
 from pathlib import Path
 
-from . import guard, rundir
+from .. import guard, rundir
+from . import fork
 
 # what a rank of a DDP script imports anyway: torch, and torch._dynamo, which DDP(...) and
 # the optimizers import on first use (about half of a rank's start-up on a CPU)
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.nn.parallel",
            "torch._dynamo", "torch.optim", "torch.utils.data")
-PAD_ENV = "DDP_LESSON_WARM_PAD"   # room in the warm process's environment for each run's (see guard.publish_environ)
-PAD_BYTES = 48 * 1024
-RANK_ENV_ROOM = 4096              # what torch's agent adds for each rank (RANK, MASTER_ADDR, ...)
 # what it holds of this package, from the package's folder
-OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py", "rank/warm_server.py")
+OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py", "rank/warm/__init__.py",
+             "rank/warm/fork.py", "rank/warm/server.py")
 
 
 def fingerprint(here=None):
@@ -49,7 +48,7 @@ def fingerprint(here=None):
     installed packages' folders and this package's modules it holds (in `here`, this package's folder by default). A launcher
     compares it with the running process's before every launch, so an upgrade or an edit is
     never served by a stale one."""
-    here = Path(here or Path(__file__).resolve().parents[1])
+    here = Path(here or Path(__file__).resolve().parents[2])
     torch_spec = importlib.util.find_spec("torch")   # finds, does not import
     files = [here / name for name in OWN_FILES]
     if torch_spec and torch_spec.origin:
@@ -106,13 +105,13 @@ def _become(req, warm_pid, inherited, fds):
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(f, fd)
             os.close(f)
-        guard.fresh_stdio()
+        fork.fresh_stdio()
         for f in inherited:
             f.close()
         for fd in fds:
             os.close(fd)
         signal.set_wakeup_fd(-1)
-        guard.restore_signals()   # SIGCHLD's and any other handler of the warm process
+        fork.restore_signals()   # SIGCHLD's and any other handler of the warm process
         os.setsid()   # as start_new_session=True: a terminal's Ctrl-C is not the run's
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -122,7 +121,6 @@ def _become(req, warm_pid, inherited, fds):
         os.environ.update(req["env"])
         if req.get("role") == "rank":
             os.environ[guard.FORKED_ENV] = "1"
-        guard.publish_environ()   # the run's identity, where procs and cleanup look for it
         if req.get("role") == "rank":
             guard.main(["--rank", "--parent", str(warm_pid), *req["args"]])
         else:
@@ -201,12 +199,6 @@ def serve(listener, idle_s=None):
                 if not agents:
                     return
                 continue
-            need = len(guard.environ_text(req.get("env", {}))) + RANK_ENV_ROOM
-            if need > guard.environ_space()[1]:
-                _reply(conn, {"error": f"the launch's environment ({need} bytes) does not fit "
-                                       f"the warm process's ({guard.environ_space()[1]})"})
-                conn.close()
-                continue
             if threads() != 1 or threading.active_count() != 1:
                 _reply(conn, {"error": f"the warm process holds {threads()} threads; it forks only with one"})
                 conn.close()
@@ -216,6 +208,7 @@ def serve(listener, idle_s=None):
             if pid == 0:
                 _become(req, warm_pid, [sel, listener, conn, *agents.values()], (wake_r, wake_w))
             agents[pid] = conn
+            _note(pid, req)
             _reply(conn, {"pid": pid})
         _reap(agents)
         if draining and not agents:
@@ -237,8 +230,27 @@ def _note_early_failure(req):
         pass
 
 
+_folder = None   # this warm process's folder (its socket's), where it notes each child's run
+
+
+def _note(pid, req):
+    """<folder>/<pid>.run: which run the child `pid` serves. A fork shows this process's
+    environment in /proc, not the run's: this note is how procs.warm_children finds it."""
+    env = req.get("env", {})
+    try:
+        rundir.write_json(os.path.join(_folder, f"{pid}.run"), {
+            "run_dir": env.get(rundir.ENV), "token": env.get(rundir.TOKEN_ENV),
+            "start": rundir.start_ticks(pid)})
+    except (OSError, TypeError):
+        pass
+
+
 def _reap(agents):
     for pid, code in guard.reaped():
+        try:
+            os.unlink(os.path.join(_folder, f"{pid}.run"))
+        except (OSError, TypeError):
+            pass
         conn = agents.pop(pid, None)
         if conn is not None:
             _reply(conn, {"exit": code})
@@ -256,7 +268,7 @@ def forks_poisoned(torch):
 
 def nvml_counts(torch):
     """Can torch count GPUs through NVML here? If not, a warm agent asking for GPUs would ask
-    CUDA's runtime and poison its forks (guard.count_gpus_without_cuda)."""
+    CUDA's runtime and poison its forks (kernel.warm sets PYTORCH_NVML_BASED_CUDA_CHECK)."""
     try:
         return torch.cuda._raw_device_count_nvml() >= 0
     except OSError:   # no NVML library: no driver
@@ -270,23 +282,23 @@ def main(argv=None):
         idle_s = float(argv.pop(4))
         argv.pop(3)
     if len(argv) != 3 or argv[0] != "--parent":
-        sys.exit("usage: python -m ddp_lesson.rank.warm_server --parent PID SOCKET [--idle S]")
+        sys.exit("usage: python -m ddp_lesson.rank.warm.server --parent PID SOCKET [--idle S]")
     parent, path = int(argv[1]), argv[2]
-    guard.remember_signals()
-    folder = os.path.dirname(path)
+    fork.remember_signals()
+    global _folder
+    folder = _folder = os.path.dirname(path)
 
     def gone(*_):   # the launcher died (a killed kernel, a stopped server), or this one is done: no folder left behind
         shutil.rmtree(folder, ignore_errors=True)
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, gone)   # forks put it back (guard.restore_signals)
+    signal.signal(signal.SIGTERM, gone)   # forks put it back (fork.restore_signals)
     guard.watch_parent(signal.SIGTERM, parent)   # the launcher gone: so is this
     hello = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)   # nothing else of ours goes to the launcher's pipe
     os.close(devnull)
-    for name in PRELOAD:
-        importlib.import_module(name)
+    fork.import_torch_counting_threads(PRELOAD)
     # what is here now is shared by every fork: the collector leaves it alone (no copy-on-write
     # of its pages) and gc.get_objects() in a fork lists only what came after (guard's scans)
     gc.freeze()
