@@ -52,7 +52,7 @@ from . import rundir
 LABELS = {"loss": "training loss (per batch)", "train_accuracy": "training batch accuracy",
           "test_accuracy": "test accuracy", "test_samples": "test samples counted",
           "samples_per_s": "samples / s", "compute_s": "compute per step (s)",
-          "wait_s": "waiting for the all-reduce per step (s)", "data_s": "data loading per step (s)",
+          "wait_s": "waiting for the other ranks per step (s)", "data_s": "data loading per step (s)",
           "mem_mb": "memory (MB)", "epoch_s": "seconds per epoch", "lr": "learning rate",
           "step_ms": "ms per step", "step": "step", "time": "seconds since start"}
 TIME_KEYS = ("data_s", "compute_s", "wait_s")  # a step's parts, in the order they happen
