@@ -1,5 +1,5 @@
 """Lesson 11, the capstone: a small GPT on the standard library's own .py files, with DDP.
-The model is in gpt_model.py, beside this file, as nanoGPT has train.py and model.py.
+The model is in gpt_model.py, beside this file, as nanoGPT (https://github.com/karpathy/nanoGPT) has train.py and model.py.
 
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
