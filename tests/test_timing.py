@@ -211,7 +211,7 @@ class Batches:                              # a loader: iterated, it makes the b
 
 def run(case, steps=5):
     torch.manual_seed(0)
-    if case == "slow backward":
+    if case in ("slow backward", "slow clip"):
         model = DDP(Slow(), process_group=alone[rank])      # nobody to wait for
     else:
         model = DDP(models.SmallCNN())                      # BatchNorm: buffers broadcast each forward
@@ -224,9 +224,12 @@ def run(case, steps=5):
     rows = []
     for step, (x, y) in enumerate(timer.timed_loader(Batches(batches))):
         if case == "sleep before forward" and rank == 0: time.sleep(0.3)
-        out = model(x[:, 0, 0, :8]) if case == "slow backward" else model(x)
-        loss = out.pow(2).mean() if case == "slow backward" else F.cross_entropy(out, y)
-        opt.zero_grad(); loss.backward(); opt.step()
+        out = model(x[:, 0, 0, :8]) if model.module.__class__ is Slow else model(x)
+        loss = out.pow(2).mean() if model.module.__class__ is Slow else F.cross_entropy(out, y)
+        opt.zero_grad(); loss.backward()
+        if case == "slow clip":
+            timer.backward_done(); time.sleep(0.3)           # work between backward and step: compute
+        opt.step()
         rows.append({"rank": rank, "step": step + 1, "time": time.time(), **timer.lap()})
     rows = rows[1:]                                          # the first step builds DDP's buckets
     every = [None] * world
@@ -248,6 +251,9 @@ assert slow == [0], (slow, med)
 # a sleep inside backward, between two layers' gradients, is compute: the wait starts at the LAST gradient
 med, slow = run("slow backward")
 assert all(m["wait_s"] < 0.1 and m["compute_s"] >= 0.25 for m in med.values()), med
+# backward_done() ends the wait: what runs after it, before the step (clipping), is compute
+med, slow = run("slow clip")
+assert all(m["wait_s"] < 0.1 and m["compute_s"] >= 0.5 for m in med.values()), med
 dist.barrier()
 print(f"rank {rank} ok")
 dist.destroy_process_group()
@@ -261,7 +267,8 @@ def test_the_wait_is_where_a_rank_waits(write_script, tmp_path):
     """wait_s is the time in DDP's two sync points, whatever the delay's place. 2 ranks, BatchNorm:
     rank 0 sleeping before its forward shows as rank 1's wait (the buffer broadcast); a slow
     loader on rank 0 names rank 0 the straggler; a sleep inside backward, between two layers'
-    gradients, is compute (a timer started at the first gradient would call it waiting)."""
+    gradients, is compute (a timer started at the first gradient would call it waiting); so is
+    work after timer.backward_done(), before the step."""
     script = write_script("where_wait.py", WHERE_THE_WAIT_IS)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(script)], env=child_env(), cwd=tmp_path, capture_output=True, text=True,
