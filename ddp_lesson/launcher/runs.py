@@ -142,7 +142,7 @@ class RunRecord:
                 "samples_per_s": self.last("samples_per_s")}
 
     def stragglers(self, factor=STRAGGLER_FACTOR):
-        """Ranks whose median compute_s per step is above `factor` (1.3) times the median of
+        """Ranks whose median data_s + compute_s per step is above `factor` (1.3) times the median of
         the other ranks' medians; [] for an even run (or one without compute_s rows)."""
         return StepTimes().add(self.rows).stragglers(factor)
 
