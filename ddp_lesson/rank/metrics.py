@@ -28,8 +28,9 @@ StepTimer splits each training step of this rank into
      backward returned (timer.backward_done(), where a script calls it), else until the
      optimizer step began. DDP makes `loss.backward()` return only once the all-reduce is done.
   A collective cannot finish before every rank has joined it, so a fast rank waits in one of
-  these for a slow one. A delay before the forward (a slow loader) is waited out in the first,
-  a delay between forward and last gradient in the second.
+  these for a slow one. A delay before the forward (a slow loader) is waited out in the first
+  where the model has buffers, else in the second; a delay between forward and last gradient
+  in the second.
   What a script runs after backward and before the step (gpt_ddp.py: unscaling and clipping)
   counts here only where it does not call backward_done(). On GPUs the moments are CUDA events,
   marks on the GPU's queue of work: the time is the GPU's waiting, not the host's.
