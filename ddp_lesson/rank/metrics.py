@@ -31,8 +31,8 @@ StepTimer splits each training step of this rank into
   these for a slow one. A delay before the forward (a slow loader) is waited out in the first
   where the model has buffers, else in the second; a delay between forward and last gradient
   in the second.
-  What a script runs after backward and before the step (gpt_ddp.py: unscaling and clipping)
-  counts here only where it does not call backward_done(). On GPUs the moments are CUDA events,
+  What a script runs after backward and before the step (clipping, say) counts here, unless
+  it calls backward_done() right after backward, as gpt_ddp.py does. On GPUs the moments are CUDA events,
   marks on the GPU's queue of work: the time is the GPU's waiting, not the host's.
 - `compute_s`: the rest of the step (forward, backward, optimizer, logging).
 - `mem_mb`: peak CUDA memory of the step on a GPU, the process's resident set on a CPU.
