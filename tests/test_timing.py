@@ -181,3 +181,97 @@ def test_step_timer_leaves_ddps_averaging_alone(write_script, tmp_path):
                         timeout=240)   # generous: at load ~17 on 2 cores it took over 100 s
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count("same weights") == 3, p.stdout
+
+
+WHERE_THE_WAIT_IS = """
+import statistics, time
+from datetime import timedelta
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddp_lesson.rank import metrics, models
+from ddp_lesson.launcher import runs
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+alone = [dist.new_group([r]) for r in range(world)]   # every rank creates each; DDP over one rank each
+
+class SlowBack(torch.autograd.Function):   # sleeps in backward, between two layers' gradients
+    @staticmethod
+    def forward(ctx, x): return x.clone()
+    @staticmethod
+    def backward(ctx, g): time.sleep(0.3); return g
+
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    def forward(self, x): return self.b(SlowBack.apply(self.a(x)))
+
+class Batches:                              # a loader: iterated, it makes the batches
+    def __init__(self, make): self.make = make
+    def __iter__(self): return self.make()
+
+def run(case, steps=5):
+    torch.manual_seed(0)
+    if case in ("slow backward", "slow clip"):
+        model = DDP(Slow(), process_group=alone[rank])      # nobody to wait for
+    else:
+        model = DDP(models.SmallCNN())                      # BatchNorm: buffers broadcast each forward
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = metrics.StepTimer(model, opt)
+    def batches():
+        for _ in range(steps):
+            if case == "slow loader" and rank == 0: time.sleep(0.3)
+            yield torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    rows = []
+    for step, (x, y) in enumerate(timer.timed_loader(Batches(batches))):
+        if case == "sleep before forward" and rank == 0: time.sleep(0.3)
+        out = model(x[:, 0, 0, :8]) if model.module.__class__ is Slow else model(x)
+        loss = out.pow(2).mean() if model.module.__class__ is Slow else F.cross_entropy(out, y)
+        opt.zero_grad(); loss.backward()
+        if case == "slow clip":
+            timer.backward_done(); time.sleep(0.3)           # work between backward and step: compute
+        opt.step()
+        rows.append({"rank": rank, "step": step + 1, "time": time.time(), **timer.lap()})
+    rows = rows[1:]                                          # the first step builds DDP's buckets
+    every = [None] * world
+    dist.all_gather_object(every, rows)
+    every = [r for rs in every for r in rs]
+    med = runs.StepTimes().add(every).medians()
+    if rank == 0:
+        print(case, {r: {k: round(v, 3) for k, v in m.items()} for r, m in med.items()}, flush=True)
+    return med, runs.StepTimes().add(every).stragglers()
+
+# a delay before the forward: the others wait in DDP's buffer broadcast, and that is waiting
+med, slow = run("sleep before forward")
+assert med[1]["wait_s"] - med[0]["wait_s"] >= 0.1, med
+assert med[1]["compute_s"] < med[1]["wait_s"], med
+# a slow loader on rank 0: rank 0 is the straggler, not the rank that waits for it
+med, slow = run("slow loader")
+assert med[0]["data_s"] >= 0.2 and med[1]["wait_s"] - med[0]["wait_s"] >= 0.1, med
+assert slow == [0], (slow, med)
+# a sleep inside backward, between two layers' gradients, is compute: the wait starts at the LAST gradient
+med, slow = run("slow backward")
+assert all(m["wait_s"] < 0.1 and m["compute_s"] >= 0.25 for m in med.values()), med
+# backward_done() ends the wait: what runs after it, before the step (clipping), is compute
+med, slow = run("slow clip")
+assert all(m["wait_s"] < 0.1 and m["compute_s"] >= 0.5 for m in med.values()), med
+dist.barrier()
+print(f"rank {rank} ok")
+dist.destroy_process_group()
+import os, sys; sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)  # skip finalization: it races gloo's worker thread and can abort (SIGABRT); see guard._exit_rank
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_wait_is_where_a_rank_waits(write_script, tmp_path):
+    """wait_s is the time in DDP's two sync points, whatever the delay's place. 2 ranks, BatchNorm:
+    rank 0 sleeping before its forward shows as rank 1's wait (the buffer broadcast); a slow
+    loader on rank 0 names rank 0 the straggler; a sleep inside backward, between two layers'
+    gradients, is compute (a timer started at the first gradient would call it waiting); so is
+    work after timer.backward_done(), before the step."""
+    script = write_script("where_wait.py", WHERE_THE_WAIT_IS)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], env=child_env(), cwd=tmp_path, capture_output=True, text=True,
+                        timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count(" ok") == 2, p.stdout

@@ -142,7 +142,7 @@ class RunRecord:
                 "samples_per_s": self.last("samples_per_s")}
 
     def stragglers(self, factor=STRAGGLER_FACTOR):
-        """Ranks whose median compute_s per step is above `factor` (1.3) times the median of
+        """Ranks whose median data_s + compute_s per step is above `factor` (1.3) times the median of
         the other ranks' medians; [] for an even run (or one without compute_s rows)."""
         return StepTimes().add(self.rows).stragglers(factor)
 
@@ -213,9 +213,10 @@ class StepTimes:
                 for rank, keys in sorted(self.per_rank.items())}
 
     def stragglers(self, factor=STRAGGLER_FACTOR):
-        """The rule: a rank is a straggler when its median compute_s per step exceeds
-        `factor` x the median of the other ranks' medians. Needs two ranks or more."""
-        med = {rank: m["compute_s"] for rank, m in self.medians().items()}
+        """The rule: a rank is a straggler when its median busy time per step (data_s +
+        compute_s: all but waiting for the others) exceeds `factor` x the median of the other
+        ranks' medians. Needs two ranks or more. A slow loader makes a straggler too."""
+        med = {rank: m["data_s"] + m["compute_s"] for rank, m in self.medians().items()}
         out = []
         for rank, m in med.items():
             others = [v for q, v in med.items() if q != rank]

@@ -20,15 +20,25 @@ One vocabulary for every script (plots take their axis labels from LABELS):
 
 StepTimer splits each training step of this rank into
 - `data_s`: waiting for the next batch from the loader (timed around its `next()`),
-- `wait_s`: from the moment backward produced this rank's last gradient until its optimizer
-  step began. With DDP's all-reduce still running then, this is the rank waiting for it: a fast
-  rank waits here for a slow one, because an all-reduce cannot finish before every rank has
-  joined it. Whatever the script runs between backward and the step (gpt_ddp.py: unscaling
-  and clipping) counts here too. On GPUs the two moments are CUDA events on the streams.
+- `wait_s`: the time this rank spends in DDP's two sync points, where it waits for the others:
+  1. DDP's forward starts by broadcasting rank 0's buffers (BatchNorm's running statistics) to
+     every rank. Timed from the moment DDP's forward is called until the wrapped model's own
+     forward begins.
+  2. The gradient all-reduce: from the moment backward produced this rank's last gradient until
+     backward returned (timer.backward_done(), where a script calls it), else until the
+     optimizer step began. DDP makes `loss.backward()` return only once the all-reduce is done.
+  A collective cannot finish before every rank has joined it, so a fast rank waits in one of
+  these for a slow one. A delay before the forward (a slow loader) is waited out in the first
+  where the model has buffers, else in the second; a delay between forward and last gradient
+  in the second.
+  What a script runs after backward and before the step (clipping, say) counts here, unless
+  it calls backward_done() right after backward, as gpt_ddp.py does. On GPUs the moments are CUDA events,
+  marks on the GPU's queue of work: the time is the GPU's waiting, not the host's.
 - `compute_s`: the rest of the step (forward, backward, optimizer, logging).
 - `mem_mb`: peak CUDA memory of the step on a GPU, the process's resident set on a CPU.
 The timer only watches: it leaves DDP's averaging as it is (no comm hook). Collectives outside
-the gradient all-reduce (e.g. SyncBatchNorm's, in forward) count as compute.
+those two (SyncBatchNorm's, in forward; gpt_ddp.py's all-reduce of the logged loss after the
+step) count as compute: a rank waiting there is logged as computing.
 DDP_LESSON_STEP_TIMES=0 turns the timer off (lap() returns {}), for benchmarks.
 """
 import json
@@ -43,7 +53,7 @@ from . import rundir
 LABELS = {"loss": "training loss (per batch)", "train_accuracy": "training batch accuracy",
           "test_accuracy": "test accuracy", "test_samples": "test samples counted",
           "samples_per_s": "samples / s", "compute_s": "compute per step (s)",
-          "wait_s": "waiting for the all-reduce per step (s)", "data_s": "data loading per step (s)",
+          "wait_s": "waiting for the other ranks per step (s)", "data_s": "data loading per step (s)",
           "mem_mb": "memory (MB)", "epoch_s": "seconds per epoch", "lr": "learning rate",
           "step_ms": "ms per step", "step": "step", "time": "seconds since start"}
 TIME_KEYS = ("data_s", "compute_s", "wait_s")  # a step's parts, in the order they happen
@@ -198,9 +208,18 @@ class StepTimer:
         loader = timer.timed_loader(loader)         # data_s: time spent in the loader
         metrics.log(step, loss=loss, **timer.lap()) # once per optimizer step
 
-    Two public hooks note the moments, and change nothing: one on each parameter, run once
-    backward has added to its gradient (Tensor.register_post_accumulate_grad_hook); one on the
-    optimizer, run as its step begins (Optimizer.register_step_pre_hook)."""
+    Public hooks note the moments, and change nothing: a forward pre-hook on the DDP model (runs
+    before DDP's forward) and one on the model it wraps (runs after DDP's buffer broadcast,
+    torch/nn/parallel/distributed.py forward -> _pre_forward -> _run_ddp_forward); one on each
+    parameter, run once backward has added to its gradient (Tensor.register_post_accumulate_grad_hook);
+    one on the optimizer, run as its step begins (Optimizer.register_step_pre_hook).
+
+    Two limits:
+    - With fp16, GradScaler skips `opt.step()` on a step whose gradients overflowed, unless the
+      optimizer is fused (grad_scaler.py `_maybe_opt_step`). The step pre-hook then never runs:
+      that step's all-reduce wait counts as compute, unless the script called backward_done().
+    - On a GPU, lap() waits for the GPU to reach the step's last mark, once per step. The course
+      scripts wait for it each step anyway (.item()); a script that never waits would be slowed."""
 
     def __init__(self, model, opt):
         import torch
@@ -210,8 +229,14 @@ class StepTimer:
         self.cuda = self.device.type == "cuda"
         self._t = time.perf_counter()
         self._data = 0.0
-        self._grad = self._step = None   # host times, or CUDA events on a GPU
+        self._grad = self._end = None   # host times, or CUDA events on a GPU
+        self._forward = None             # when DDP's forward was called, until the model's began
+        self._syncs = []                 # (start, end) of DDP's buffer broadcast, this step
         if self.enabled:
+            inner = getattr(model, "module", None)
+            if isinstance(inner, torch.nn.Module):   # a DDP model: time its buffer broadcast
+                model.register_forward_pre_hook(self._forward_called)
+                inner.register_forward_pre_hook(self._module_begins)
             for p in model.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -224,17 +249,32 @@ class StepTimer:
         event.record(self._torch.cuda.current_stream(self.device))
         return event
 
+    def _forward_called(self, module, args):
+        self._forward = self._now()
+
+    def _module_begins(self, module, args):
+        if self._forward is not None:   # not when a script calls the inner model itself
+            self._syncs.append((self._forward, self._now()))
+            self._forward = None
+
     def _grad_ready(self, param):
         self._grad = self._now()   # the last call before the step is backward's last gradient
 
+    def backward_done(self):
+        """Call right after loss.backward() returns (after the last micro-batch's): the
+        all-reduce wait ends here, so what runs before the step (clipping) is compute."""
+        if self.enabled and self._grad is not None and self._end is None:
+            self._end = self._now()
+
     def _step_begins(self, opt, args, kwargs):
-        if self._grad is not None and self._step is None:
-            self._step = self._now()   # backward has returned: DDP's all-reduce is done
+        if self._grad is not None and self._end is None:
+            self._end = self._now()   # backward has returned: DDP's all-reduce is done
 
     def timed(self, loader):
         """Yield the loader's batches, adding the time each took to this step's data_s."""
         it = iter(loader)
         self._t = time.perf_counter()  # a new epoch: evaluation time is not a step's
+        self._syncs = []               # nor evaluation's buffer broadcasts
         while True:
             t = time.perf_counter()
             try:
@@ -253,13 +293,16 @@ class StepTimer:
         """{data_s, compute_s, wait_s, mem_mb} of the step since the last lap, then restart."""
         if not self.enabled:
             return {}
+        pairs = list(self._syncs)
+        if self._grad is not None and self._end is not None:
+            pairs.append((self._grad, self._end))
         wait = 0.0
-        if self._grad is not None and self._step is not None:
+        for start, end in pairs:
             if self.cuda:
-                self._step.synchronize()
-                wait = self._grad.elapsed_time(self._step) / 1000
+                end.synchronize()
+                wait += start.elapsed_time(end) / 1000
             else:
-                wait = self._step - self._grad
+                wait += end - start
         if self.cuda:
             mem = self._torch.cuda.max_memory_allocated(self.device) / 2**20
             self._torch.cuda.reset_peak_memory_stats(self.device)
@@ -271,7 +314,7 @@ class StepTimer:
         data = min(self._data, total - wait)
         out = {"data_s": data, "compute_s": max(total - data - wait, 0.0), "wait_s": wait,
                "mem_mb": round(mem, 1)}
-        self._t, self._data, self._grad, self._step = now, 0.0, None, None
+        self._t, self._data, self._grad, self._end, self._syncs = now, 0.0, None, None, []
         return out
 
 

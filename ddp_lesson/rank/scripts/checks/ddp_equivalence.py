@@ -3,7 +3,9 @@
 Writes equivalence.json into the run directory (check() does the work; notebook 03b runs it
 with ddp_checks.py and find_unused.py in one launch, checks_03b.py):
 - different seeds per rank -> different weights before DDP(...), equal after it;
-- DDP averages with its own built-in code: no comm hook on the model;
+- the course's step timer changes no number: the same steps with and without
+  metrics.StepTimer give equal weights and BatchNorm buffers, bit for bit (torch.equal), and
+  the timed model has no comm hook (DDP takes one; the timer leaves it free);
 - weights allclose to the single-process reference after EVERY step (model without BN);
 - step 1: a few gradient values each rank computed on its own shard, and DDP's after backward;
 - DistributedSampler: without set_epoch every epoch repeats its shuffle, with it they differ.
@@ -29,6 +31,24 @@ def same_on_all_ranks(t):
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t)
     return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def train_steps(images, labels, timed, steps=3):
+    """A few DDP steps of SmallCNN (with BatchNorm, so DDP broadcasts its buffers each forward)
+    on this rank's share; with the course's StepTimer watching when `timed`."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(models.SmallCNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    timer = metrics.StepTimer(model, opt) if timed else None
+    for step in range(steps):
+        mine = slice((step * dist.get_world_size() + rank) * PER_RANK, (step * dist.get_world_size() + rank + 1) * PER_RANK)
+        opt.zero_grad()
+        F.cross_entropy(model(images[mine]), labels[mine]).backward()
+        opt.step()
+        if timer:
+            timer.lap()
+    return model
 
 
 def check():
@@ -71,6 +91,12 @@ def check():
         max_diff.append({"step": step + 1, "allclose": ok,
                          "max_abs_diff": (flat(ddp.module) - flat(reference)).abs().max().item()})
 
+    plain = train_steps(images, labels, timed=False)
+    timed = train_steps(images, labels, timed=True)
+    same = torch.tensor([float(all(torch.equal(a, b) for a, b in
+                                   zip(plain.state_dict().values(), timed.state_dict().values())))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)  # equal on every rank
+
     dataset = list(range(16))
     shuffles = {}
     for use_set_epoch in (False, True):
@@ -89,8 +115,10 @@ def check():
             "world_size": world,
             "weights_equal_before_ddp": equal_before,
             "weights_equal_after_ddp": equal_after,
-            # DDP's own built-in averaging: no comm hook replaced it (DDP's log names one if any)
-            "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
+            # the same steps with and without the step timer: weights and buffers bit for bit
+            "timer_changes_nothing": bool(same.item()),
+            # the timed model's comm hook, as DDP's log names it (a private, prototype API)
+            "timed_comm_hook": timed._get_ddp_logging_data().get("comm_hook"),
             "steps": max_diff,
             "allclose_every_step": all(s["allclose"] for s in max_diff),
             "rank0_shuffles": shuffles,

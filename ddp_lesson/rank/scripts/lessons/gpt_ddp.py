@@ -1,5 +1,5 @@
 """Lesson 11, the capstone: a small GPT on the standard library's own .py files, with DDP.
-The model is in gpt_model.py, beside this file, as nanoGPT has train.py and model.py.
+The model is in gpt_model.py, beside this file, as nanoGPT (https://github.com/karpathy/nanoGPT) has train.py and model.py.
 
     torchrun --standalone --nproc-per-node 2 gpt_ddp.py --steps 60
 Byte-level (vocabulary 256), so no tokenizer and no download. Every line that makes it
@@ -39,8 +39,11 @@ except ImportError:  # course: outside the course: nothing logged or timed, file
     class metrics:  # course
         log = lambda step, **values: None  # course
         run_dir = lambda: Path(".")  # course
-        class StepTimer:  # course
-            def __init__(self, model, opt): self.timed, self.lap = iter, dict  # course
+        class StepTimer:  # course: times nothing
+            def __init__(self, model, opt): pass  # course
+            def timed_loader(self, loader): return loader  # course
+            def backward_done(self): pass  # course
+            def lap(self): return {}  # course
     class peaks:  # course: no peak, so no MFU
         peak_rate = lambda device, dtype: (None, "no peak: the course's ddp_lesson.rank.peaks has them", {})  # course
         achievable_rate = lambda device, dtype, window_s: ([], [])  # course
@@ -274,7 +277,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp, torch.float32)
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=args.amp != "off")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    peak, peak_source, peak_inputs = peaks.peak_rate(device, dtype)   # MFU's denominator: the hardware's peak
+    peak, peak_source, peak_inputs = peaks.peak_rate(device, dtype)  # course: MFU's denominator, the hardware's peak
 
     text, n_files = stdlib_bytes()
     train_data, val_data = split(text)
@@ -302,15 +305,16 @@ def main():
     if args.compile:                              # compile first, then DDP (lesson 10)
         model = torch.compile(model)
     model = DDP(model, device_ids=[local_rank] if use_cuda else None)  # DDP: broadcasts rank 0's weights
-    timer = metrics.StepTimer(model, opt)  # data / compute / waiting for the all-reduce; changes nothing
+    timer = metrics.StepTimer(model, opt)  # course: data / compute / waiting for the others; changes nothing
+    loader = timer.timed_loader(loader)  # course: also times the loading of each batch (data_s)
     if rank == 0:
         print(f"world_size={world_size} data: {n_files} files, {len(train_data):,} train bytes, "
               f"{len(val_data):,} val bytes; {sum(p.numel() for p in model.parameters()):,} params; "
               f"amp={args.amp}; {accum} micro-batches of {args.micro_batch} per rank per step", flush=True)
-    metrics.log(step, params=sum(p.numel() for p in model.parameters()), flops_per_token=fpt,
-                peak_flops=peak, peak_source=peak_source, **peak_inputs, amp=args.amp, micro_batch=args.micro_batch,
-                accum=accum, global_batch_asked=args.global_batch, train_windows=len(train_set),
-                train_bytes=len(train_data), val_bytes=len(val_data), files=n_files, **probe)
+    metrics.log(step, params=sum(p.numel() for p in model.parameters()), flops_per_token=fpt,  # course
+                peak_flops=peak, peak_source=peak_source, **peak_inputs, amp=args.amp, micro_batch=args.micro_batch,  # course
+                accum=accum, global_batch_asked=args.global_batch, train_windows=len(train_set),  # course
+                train_bytes=len(train_data), val_bytes=len(val_data), files=n_files, **probe)  # course
 
     save_at = {int(s) for s in args.save_at.split(",") if s}
     step_times = []
@@ -318,7 +322,7 @@ def main():
     while step < stop:
         epoch, done_in_epoch = divmod(step, steps_per_epoch)
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
-        batches = timer.timed(loader)  # timed: data_s
+        batches = iter(loader)
         for _ in range(done_in_epoch * accum):  # resuming mid-epoch: skip what was trained on
             next(batches)
         for _ in range(done_in_epoch, steps_per_epoch):
@@ -341,6 +345,7 @@ def main():
                 sums[0] += loss.detach().double() * y.numel()   # no .item(): no wait for the GPU
                 sums[1] += y.numel()
                 ids += idx.tolist()
+            timer.backward_done()  # course: the all-reduce is done; what follows is not waiting
             if use_cuda:
                 torch.cuda.synchronize(device)   # the queued micro-batch kernels belong to micro_s, not the fixed part
             micro_s, micro_cpu_s = time.perf_counter() - t0, time.process_time() - c0   # the micro-batches' share
@@ -355,22 +360,23 @@ def main():
             if use_cuda:
                 torch.cuda.synchronize(device)                   # the step's kernels are done
             step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-            times = timer.lap()  # data_s, compute_s, wait_s, mem_mb
+            times = timer.lap()  # course: data_s, compute_s, wait_s, mem_mb
             step_times.append(step_s)
             scale = {"scale": scaler.get_scale()} if scaler.is_enabled() else {}  # fp16: for the next step
-            metrics.log(step, loss=sums[0] / sums[1], grad_norm=grad_norm, windows=len(ids), window_ids=ids,
-                        lr=lr_at(step - 1, args), tokens_per_s=tokens / step_s,
-                        **({"mfu": fpt * tokens / step_s / peak} if peak else {}), step_s=step_s, cpu_s=cpu_s,
-                        micro_s=micro_s, micro_cpu_s=micro_cpu_s, epoch=epoch, **scale, **times)
+            metrics.log(step, loss=sums[0] / sums[1], grad_norm=grad_norm, windows=len(ids), window_ids=ids,  # course
+                        lr=lr_at(step - 1, args), tokens_per_s=tokens / step_s,  # course
+                        **({"mfu": fpt * tokens / step_s / peak} if peak else {}), step_s=step_s, cpu_s=cpu_s,  # course
+                        micro_s=micro_s, micro_cpu_s=micro_cpu_s, epoch=epoch, **scale, **times)  # course
             if step % args.eval_every == 0 or step == stop:
                 val_loss, val_tokens = evaluate(model, val_set, args.eval_windows, rank, world_size, device, autocast)
-                metrics.log(step, val_loss=val_loss, val_tokens=val_tokens)
-                timer.lap()  # evaluation time is not the next step's
+                metrics.log(step, val_loss=val_loss, val_tokens=val_tokens)  # course
+                timer.lap()  # course: evaluation time is not the next step's
                 if rank == 0:
                     print(f"step {step}: loss {(sums[0] / sums[1]).item():.3f} val {val_loss:.3f} "
                           f"{tokens / step_s:,.0f} tok/s/rank", flush=True)
             if step in save_at:
-                path = metrics.run_dir() / f"ckpt_{step}.pt"
+                path = f"ckpt_{step}.pt"
+                path = metrics.run_dir() / path  # course: in the run's folder, where the notebook looks
                 if rank == 0:  # DDP: one writer; the inner model, without the "module." prefix
                     torch.save({"model": gpt.state_dict(), "opt": opt.state_dict(),
                                 "scaler": scaler.state_dict(), "step": step, "args": vars(args)}, path)
@@ -384,16 +390,16 @@ def main():
         metrics.log(step, achievable_flops=rates, achievable_flops_per_cpu_s=cpu_rates)  # course
     if args.fsdp_check:  # FSDP2 against DDP, in the same ranks, from the same seed
         fsdp_check(args, train_set, accum, device, rank)
-    if args.allreduce_sweep:  # the same ranks, after training: what one all-reduce of b bytes costs
-        for b, seconds in costmodel.sweep(costmodel.QUICK_SIZES, iters=6, device=device):  # DDP: all ranks
-            metrics.log(step, bytes=b, seconds=seconds)
+    if args.allreduce_sweep:  # course: the same ranks, after training: what one all-reduce of b bytes costs
+        for b, seconds in costmodel.sweep(costmodel.QUICK_SIZES, iters=6, device=device):  # course: all ranks
+            metrics.log(step, bytes=b, seconds=seconds)  # course
     if rank == 0 and args.sample_bytes:  # one rank writes the sample
         with autocast():
             # DDP: the model inside the wrapper: one rank alone must not run DDP's forward,
             # which can start a collective (a broadcast of buffers) the other ranks never join
             sample = generate(gpt, b"def ", args.sample_bytes, device, seed=args.seed)
         print("--- sample ---\n" + sample, flush=True)
-        metrics.log(step, sample=sample)
+        metrics.log(step, sample=sample)  # course
     dist.destroy_process_group()  # DDP
 
 
