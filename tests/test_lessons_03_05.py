@@ -525,6 +525,24 @@ def test_course_false_counts_both_scripts_hidden_lines_and_the_ones_gone(capsys,
     assert "not in" not in capsys.readouterr().out               # 04's diff: ddp_syncbn.py keeps them all
 
 
+def test_04_and_05_say_what_their_diffs_hide(capsys):
+    # 04's diff shows the SyncBN import as a `# DDP` line and drops no `# course` line; 05's names
+    # the three it drops, as 05 says
+    from ddp_lesson.notebook import lesson
+
+    def text(name, cell):
+        cells = json.loads((ROOT_NB / name).read_text())["cells"]
+        return " ".join("".join(next(c for c in cells if c["id"] == cell)["source"]).split())
+    lesson.show_diff("ddp_basic.py", script("ddp_syncbn.py"), course=False)
+    out = capsys.readouterr().out
+    assert "\n+    from ddp_lesson.rank import syncbn  # DDP\n" in out and "are not in" not in out
+    assert "The diff shows its import, marked `# DDP`, in a `try`." in text("04_sync_batchnorm.ipynb", "04-02")
+    lesson.show_diff("ddp_syncbn.py", script("ddp_accum.py"), course=False)
+    gone = capsys.readouterr().out.split("are not in ddp_accum.py:\n")[1].splitlines()
+    assert len(gone) == 3 and all("slow" in line for line in gone), gone
+    assert "Its footnote names the three that `ddp_accum.py` drops" in text("05_gradient_accumulation.ipynb", "05-02")
+
+
 def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():
     # it replaces BatchNorm1d/2d/3d alike: eval() must still accept their 2D..5D inputs
     import torch

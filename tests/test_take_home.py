@@ -154,3 +154,27 @@ def test_capstone_runs_alone_without_the_course(no_course, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "step 3: loss" in p.stdout and "--- sample ---" in p.stdout, p.stdout
     assert (path.parent / "ckpt_3.pt").exists()
+
+
+def test_03_take_home_box_says_how_to_run_it_without_the_course():
+    # a visible box right after 03's diff fold: the file, the commands, the GPU rule, what needs the course
+    import json
+    from pathlib import Path
+    notebook = Path(__file__).resolve().parent.parent / "notebooks" / "03_ddp_torchrun.ipynb"
+    cells = {c["id"]: "".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]}
+    ids = list(cells)
+    box = cells["03-home"]
+    assert ids.index("03-home") == ids.index("03-full") + 1 and box.startswith("> **Take it home.**")   # no fold
+    text = " ".join(line.lstrip("> ") for line in box.splitlines())
+    for needle in ("`torchrun --standalone --nproc-per-node 2 ddp_basic.py`, with your number of GPUs in place of 2",
+                   '`CUDA_VISIBLE_DEVICES="" torchrun --standalone --nproc-per-node 2 ddp_basic.py`',
+                   "`--nproc-per-node` is at most your number of GPUs", "`torch.cuda.set_device(1)`",
+                   "`train_single.py`", "`ddp_syncbn.py`", "`ddp_accum.py`", "`ex_set_epoch.py`"):
+        assert needle in text, needle
+    source = bundled.script("ddp_basic.py").read_text()
+    assert "torch.cuda.set_device(local_rank)" in source          # the rule's reason: GPU = local rank
+    assert "from ddp_lesson." in bundled.script("ex_set_epoch.py").read_text()   # a starter needs the course
+    assert "chain's other scripts" not in cells["03-diff3"]
+    helpers = cells["03-helpers"]                                    # the folder the fold names is the scripts'
+    assert helpers.startswith("<details>") and "`ddp_lesson/rank/scripts/lessons/`" in helpers
+    assert bundled.script("ddp_basic.py").parent.as_posix().endswith("ddp_lesson/rank/scripts/lessons")
