@@ -132,7 +132,7 @@ def main():
     ckpt = metrics.checkpoint_path()  # course: in the run's folder, where the notebook looks
     if rank == 0:  # DDP: one writer; save the inner model, without the "module." prefix
         torch.save(model.module.state_dict(), ckpt)
-    dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it, to a folder every node sees
+    dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it; other nodes need a shared folder
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
     plain = SmallCNN(image_size=32 if args.dataset == "cifar10" else 16).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
