@@ -54,14 +54,34 @@ def test_sync_bn_flag_takes_no_value():
     assert out.returncode == 2 and "unrecognized arguments: False" in out.stderr, out.stderr
 
 
-# ddp_syncbn.py: 12 lines, and 3 `# course` lines that refuse --sync-bn on CPU ranks without the course
+# ddp_syncbn.py: 15 lines, 3 of them the `# DDP` fallback that refuses --sync-bn on CPU ranks without the course
 @pytest.mark.parametrize("old,new,max_changed", [("ddp_basic.py", "ddp_syncbn.py", 15),
                                                  ("ddp_syncbn.py", "ddp_accum.py", 40)])
 def test_each_lesson_script_is_a_small_diff(old, new, max_changed):
+    from ddp_lesson.notebook import lesson
     a, b = script(old).read_text().splitlines(), script(new).read_text().splitlines()
-    changed = [l for l in difflib.unified_diff(a, b, lineterm="", n=0)
+    changed = [l for l in lesson.unified_diff(a, b, old, new, 0)
                if l[:1] in "+-" and not l.startswith(("+++", "---"))]
     assert 0 < len(changed) <= max_changed, "\n".join(changed)
+
+
+def test_show_diff_matches_lines_as_difflib_does_without_its_autojunk():
+    # difflib's own unified_diff, but from 200 lines of the new file on, where its autojunk would
+    # take the blank lines for junk and show unchanged ones as changed (ddp_accum.py has 200 lines)
+    import random
+
+    from ddp_lesson.notebook import lesson
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.choice("abcde") for _ in range(rng.randint(0, 12))]
+        b = [rng.choice("abcde") for _ in range(rng.randint(0, 12))]
+        for n in (0, 1, 3):
+            assert lesson.unified_diff(a, b, "x", "y", n) == list(difflib.unified_diff(a, b, "x", "y", lineterm="", n=n))
+    a, b = script("ddp_syncbn.py").read_text().splitlines(), script("ddp_accum.py").read_text().splitlines()
+    assert len(b) >= 200
+    ours, theirs = (changed(d) for d in (lesson.unified_diff(a, b, "a", "b", 0),
+                                         difflib.unified_diff(a, b, "a", "b", lineterm="", n=0)))
+    assert len(ours) < len(theirs) and "-" in theirs and "-" not in ours   # a blank line, taken for junk
 
 
 @pytest.mark.parametrize("name", ["ddp_basic.py", "ddp_syncbn.py", "ddp_accum.py"])
@@ -219,7 +239,7 @@ def test_show_diff_in_a_fold_is_the_same_diff_in_a_closed_details(monkeypatch, c
     from ddp_lesson.notebook import lesson
     show = functools.partial(lesson.show_diff, "train_single.py", script("ddp_basic.py"), course=False)
     printed = _folded(monkeypatch, capsys, show, "the <diff> from one process")
-    assert printed.startswith("--- train_single.py") and "left out:" in printed.splitlines()[-1]
+    assert printed.startswith("--- train_single.py") and "left out:" in printed.split("\n\n")[-1]
     assert "\n+    dist.barrier()" in printed
     show = functools.partial(lesson.show_diff, "ddp_basic.py", script("ddp_syncbn.py"))   # course=True
     assert "+++" in _folded(monkeypatch, capsys, show, "04's diff")
@@ -369,7 +389,7 @@ def test_03_diff_from_one_process_is_right_after_in_a_collapsed_fold(capsys):
     assert "fold=" in cells["03-full"] and "show_script" not in cells["03-full"]
     assert "`+` are what DDP adds" in cells["03-diff2"] and "`-` what it removes" in cells["03-diff2"]
     lesson.show_diff("train_single.py", script("ddp_basic.py"), course=False)   # the fold's text
-    out = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.split("\n\n(Lines marked")[0].splitlines()      # the diff, not its footnote
     added = [l[1:] for l in out if l.startswith("+") and not l.startswith("+++")]
     ddp = [l for l in script("ddp_basic.py").read_text().splitlines() if "# DDP" in l]
     assert [l for l in added if "# DDP" in l] == ddp                    # every DDP line, as added
@@ -495,10 +515,32 @@ def test_course_false_counts_both_scripts_hidden_lines_and_the_ones_gone(capsys,
     assert 0 < n_new < n_old
     lesson.show_diff("ddp_syncbn.py", mine, course=False)
     out = capsys.readouterr().out
-    assert (f"left out: {n_old} of ddp_syncbn.py's, {n_new} of mine.py's; "
-            f"{n_old - n_new} of ddp_syncbn.py's are gone from mine.py." in out), out
+    assert f"left out: {n_old} of ddp_syncbn.py's, {n_new} of mine.py's." in out, out
+    gone = [l.strip() for l in old.splitlines() if "slow" in l and lesson.course_line(l)]
+    named = f"These {n_old - n_new} `# course` lines of ddp_syncbn.py are not in mine.py:\n"
+    assert named + "\n".join("    " + l for l in gone) in out, out   # each dropped line, by name
     lesson.show_diff("ddp_syncbn.py", script("ddp_syncbn.py"), course=False)
-    assert "gone" not in capsys.readouterr().out                 # the same script: nothing gone
+    assert "are not in" not in capsys.readouterr().out           # the same script: nothing gone
+    lesson.show_diff("ddp_basic.py", script("ddp_syncbn.py"), course=False)
+    assert "not in" not in capsys.readouterr().out               # 04's diff: ddp_syncbn.py keeps them all
+
+
+def test_04_and_05_say_what_their_diffs_hide(capsys):
+    # 04's diff shows the SyncBN import as a `# DDP` line and drops no `# course` line; 05's names
+    # the three it drops, as 05 says
+    from ddp_lesson.notebook import lesson
+
+    def text(name, cell):
+        cells = json.loads((ROOT_NB / name).read_text())["cells"]
+        return " ".join("".join(next(c for c in cells if c["id"] == cell)["source"]).split())
+    lesson.show_diff("ddp_basic.py", script("ddp_syncbn.py"), course=False)
+    out = capsys.readouterr().out
+    assert "\n+    from ddp_lesson.rank import syncbn  # DDP\n" in out and "are not in" not in out
+    assert "The diff shows its import, marked `# DDP`, in a `try`." in text("04_sync_batchnorm.ipynb", "04-02")
+    lesson.show_diff("ddp_syncbn.py", script("ddp_accum.py"), course=False)
+    gone = capsys.readouterr().out.split("are not in ddp_accum.py:\n")[1].splitlines()
+    assert len(gone) == 3 and all("slow" in line for line in gone), gone
+    assert "Its footnote names the three that `ddp_accum.py` drops" in text("05_gradient_accumulation.ipynb", "05-02")
 
 
 def test_cpu_syncbn_stand_in_keeps_every_bn_shape_in_eval():

@@ -79,6 +79,23 @@ def load_script(name):
     return module
 
 
+def same_model(script, size):
+    """True if the script's SmallCNN is the course's: the same weights from the same seed, and the
+    same outputs on a batch, in training and in eval mode (a pooling or a flatten order of its own
+    keeps the weights and changes the outputs)."""
+    torch.manual_seed(3)
+    mine = script.SmallCNN(image_size=size)
+    torch.manual_seed(3)
+    course = models.SmallCNN(image_size=size)
+    a, b = mine.state_dict(), course.state_dict()
+    if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+        return False
+    x = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        return all(torch.equal(mine.train(mode)(x), course.train(mode)(x)) for mode in (True, False))
+
+
+# The scripts' cifar10 branch is not tested here: the course's tests have no CIFAR-10 download.
 @pytest.mark.parametrize("name", CHAIN)
 def test_chain_script_makes_the_courses_data_and_model(name):
     # one truth: ddp_lesson/rank/data.py and models.py; each script's own few lines give the same tensors
@@ -87,22 +104,42 @@ def test_chain_script_makes_the_courses_data_and_model(name):
         mine, course = script.get_data("shapes", train, "data").tensors, data.get("shapes", train=train).tensors
         assert all(torch.equal(a, b) for a, b in zip(mine, course)), (name, train)
     for size in (16, 32):
-        torch.manual_seed(3)
-        mine = script.SmallCNN(image_size=size).state_dict()
-        torch.manual_seed(3)
-        course = models.SmallCNN(image_size=size).state_dict()
-        assert mine.keys() == course.keys() and all(torch.equal(mine[k], course[k]) for k in mine)
+        assert same_model(script, size), (name, size)
+
+
+def planted(name, old, new):
+    """The script `name` with one edit, loaded as a module."""
+    source = bundled.script(f"{name}.py").read_text()
+    assert old in source
+    bad = type(importlib)("bad")
+    exec(compile(source.replace(old, new, 1), "bad", "exec"), bad.__dict__)
+    return bad
 
 
 def test_a_changed_shape_is_caught():
     # the comparison above fails for a script whose data differ in one class's drawing
-    script = load_script("ddp_basic")
-    source = bundled.script("ddp_basic.py").read_text()
-    assert "radius <= r, " in source
-    bad = type(script)("bad")
-    exec(compile(source.replace("radius <= r, ", "radius < r, ", 1), "bad", "exec"), bad.__dict__)
+    bad = planted("ddp_basic", "radius <= r, ", "radius < r, ")
     mine, course = bad.get_data("shapes", False, "data").tensors, data.get("shapes", train=False).tensors
     assert not torch.equal(mine[0], course[0])
+
+
+@pytest.mark.parametrize("old,new", [("nn.MaxPool2d(2)", "nn.AvgPool2d(2)"),
+                                     ("self.features(x).flatten(1)", "self.features(x).transpose(1, 3).flatten(1)")])
+def test_a_changed_layer_is_caught(old, new):
+    # the same weights, other outputs: the model comparison above fails for such a script
+    assert same_model(load_script("ddp_basic"), 16)
+    assert not same_model(planted("ddp_basic", old, new), 16)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["ddp_syncbn", "ddp_accum"])
+def test_sync_bn_on_cpu_ranks_without_the_course_stops_with_one_sentence(name, no_course, tmp_path):
+    # PyTorch's SyncBatchNorm refuses CPU tensors; the course's stand-in is not there
+    path = take_home(name, tmp_path)
+    p = run_alone(path, no_course, ["--epochs", "1", "--train-samples", "128", "--sync-bn"])
+    assert p.returncode != 0
+    assert "--sync-bn on CPU ranks needs the course's ddp_lesson" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert f'{name}.py", line' not in p.stderr, p.stderr[-3000:]   # the sentence, not the script's stack
 
 
 @pytest.mark.timeout(300)
@@ -117,3 +154,27 @@ def test_capstone_runs_alone_without_the_course(no_course, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "step 3: loss" in p.stdout and "--- sample ---" in p.stdout, p.stdout
     assert (path.parent / "ckpt_3.pt").exists()
+
+
+def test_03_take_home_box_says_how_to_run_it_without_the_course():
+    # a visible box right after 03's diff fold: the file, the commands, the GPU rule, what needs the course
+    import json
+    from pathlib import Path
+    notebook = Path(__file__).resolve().parent.parent / "notebooks" / "03_ddp_torchrun.ipynb"
+    cells = {c["id"]: "".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]}
+    ids = list(cells)
+    box = cells["03-home"]
+    assert ids.index("03-home") == ids.index("03-full") + 1 and box.startswith("> **Take it home.**")   # no fold
+    text = " ".join(line.lstrip("> ") for line in box.splitlines())
+    for needle in ("`torchrun --standalone --nproc-per-node 2 ddp_basic.py`, with your number of GPUs in place of 2",
+                   '`CUDA_VISIBLE_DEVICES="" torchrun --standalone --nproc-per-node 2 ddp_basic.py`',
+                   "`--nproc-per-node` is at most your number of GPUs", "`torch.cuda.set_device(1)`",
+                   "`train_single.py`", "`ddp_syncbn.py`", "`ddp_accum.py`", "`ex_set_epoch.py`"):
+        assert needle in text, needle
+    source = bundled.script("ddp_basic.py").read_text()
+    assert "torch.cuda.set_device(local_rank)" in source          # the rule's reason: GPU = local rank
+    assert "from ddp_lesson." in bundled.script("ex_set_epoch.py").read_text()   # a starter needs the course
+    assert "chain's other scripts" not in cells["03-diff3"]
+    helpers = cells["03-helpers"]                                    # the folder the fold names is the scripts'
+    assert helpers.startswith("<details>") and "`ddp_lesson/rank/scripts/lessons/`" in helpers
+    assert bundled.script("ddp_basic.py").parent.as_posix().endswith("ddp_lesson/rank/scripts/lessons")

@@ -20,6 +20,7 @@ def lesson_text(cell_source):
     if cell_source.lstrip().startswith("<details>"):
         return ""
     text = re.sub(r"```.*?```", " ", cell_source, flags=re.S)
+    text = re.sub(r"^[ \t]*>[ \t]?", "", text, flags=re.M)        # a blockquote's text is lesson text
     text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("|"))
     text = re.sub(r"`[^`]*`", "CODE", text)
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)      # [text](target) -> text

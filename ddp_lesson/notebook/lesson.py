@@ -100,24 +100,42 @@ def script_diff(old, new, context=1, course=True):
     if not course:
         a = [line for line in a if not course_line(line)]
         b = [line for line in b if not course_line(line)]
-    return list(difflib.unified_diff(a, b, old, str(new), lineterm="", n=context))
+    return unified_diff(a, b, old, str(new), context)
+
+
+def unified_diff(a, b, old, new, context=1):
+    """difflib.unified_diff's lines, matched without difflib's autojunk: from 200 lines on, that
+    takes lines seen often, such as blank ones, for junk, and the diff shows needless changes."""
+    def span(start, stop):   # a hunk's range, in unified diff's 1-based `start,length`
+        return f"{start + 1}" if stop - start == 1 else f"{start + (stop > start)},{stop - start}"
+    out = []
+    for group in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(context):
+        out += [f"--- {old}", f"+++ {new}"] if not out else []
+        out.append(f"@@ -{span(group[0][1], group[-1][2])} +{span(group[0][3], group[-1][4])} @@")
+        for tag, i1, i2, j1, j2 in group:
+            out += [" " + line for line in a[i1:i2]] if tag == "equal" else []
+            out += ["-" + line for line in a[i1:i2]] if tag in ("replace", "delete") else []
+            out += ["+" + line for line in b[j1:j2]] if tag in ("replace", "insert") else []
+    return out
 
 
 def show_diff(old, new, context=1, course=True, fold=None):
     """The lesson is the diff: print what changed from the previous lesson's script.
     course=False hides the lines marked `# course` of both scripts and says how many of each it
-    hid, and how many of `old`'s are gone from `new`, which the diff then does not show.
+    hid; it lists the ones of `old` that `new` no longer has, which the diff then does not show.
     fold="a summary line" shows the same text in a closed fold instead, as show_script does."""
     text = "\n".join(script_diff(old, new, context, course))
     if not course:
         ours = [line.strip() for line in script(old).read_text().splitlines() if course_line(line)]
         theirs = [line.strip() for line in Path(new).read_text().splitlines() if course_line(line)]
-        gone = sum((Counter(ours) - Counter(theirs)).values())
+        gone = list((Counter(ours) - Counter(theirs)).elements())
         name = Path(new).name
-        removed = f"; {gone} of {old}'s are gone from {name}" if gone else ""
         text += (f"\n\n(Lines marked `# course` left out: {len(ours)} of {old}'s, {len(theirs)} of "
-                 f"{name}'s{removed}. They are the course's own timing and logging; the scripts "
-                 f"have them all.)")
+                 f"{name}'s. They are the course's own timing and logging; the scripts have them all.)")
+        if gone:   # dropped by `new`: the diff above cannot show them, so they are named here
+            these = "This `# course` line of" if len(gone) == 1 else f"These {len(gone)} `# course` lines of"
+            verb = "is" if len(gone) == 1 else "are"
+            text += f"\n{these} {old} {verb} not in {name}:\n" + "\n".join("    " + line for line in gone)
     _print_or_fold(text, fold)
 
 

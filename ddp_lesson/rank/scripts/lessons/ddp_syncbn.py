@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 ddp_syncbn.py --epochs 2 --batch-size 4 --sync-bn
 Every line that makes it distributed is marked # DDP; a mark on an `if` or `with` covers its block.
-Lines marked # course are the course's own timing and logging, not needed in your code:
-without them it trains the same, bit for bit. Outside the course they do nothing.
+Lines marked # course are the course's timing and logging, not needed in your code; outside the
+course they do nothing. Without them the training computes the same numbers (tested on CPU ranks).
 """
 import argparse
 import os  # DDP: torchrun passes the rank and world size in environment variables
@@ -19,61 +19,18 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler  # DDP
 
 try:  # course: the course's logging and step timer, for its run panel
-    from ddp_lesson.rank import metrics, syncbn  # course
+    from ddp_lesson.rank import metrics  # course
 except ImportError:  # course: outside the course: nothing logged or timed, model.pt saved here
     class metrics:  # course
         log = lambda step, **values: None  # course
         checkpoint_path = lambda: "model.pt"  # course
         class StepTimer:  # course
             def __init__(self, model, opt): self.timed_loader, self.lap = (lambda loader: loader), dict  # course
-    class syncbn:  # course: PyTorch's SyncBatchNorm needs GPUs; the course's runs on CPU ranks
-        def convert_sync_batchnorm(model):  # course
-            raise SystemExit("--sync-bn on CPU ranks needs the course's ddp_lesson.rank.syncbn")  # course
-
-
-def shapes(n, seed, noise=0.35, size=16):
-    """The course's data, made from a seed, no download: n noisy drawn shapes (3 x 16 x 16) of
-    10 classes: square, frame, disc, ring, hbar, vbar, plus, cross, diagonal, triangle."""
-    g = torch.Generator().manual_seed(seed)
-    label = torch.randint(0, 10, (n,), generator=g)
-    centre = torch.randint(5, size - 5, (n, 2), generator=g).float()
-    r = torch.randint(3, 6, (n, 1, 1), generator=g).float()
-    grid = torch.arange(size).float()
-    dx = (grid.view(1, 1, size) - centre[:, 0].view(n, 1, 1)).expand(n, size, size)
-    dy = (grid.view(1, size, 1) - centre[:, 1].view(n, 1, 1)).expand(n, size, size)
-    ax, ay, radius = dx.abs(), dy.abs(), (dx ** 2 + dy ** 2).sqrt()
-    box, hbar, vbar = (ax <= r) & (ay <= r), (ay <= 1) & (ax <= r), (ax <= 1) & (ay <= r)
-    masks = [box, box & (torch.maximum(ax, ay) >= r - 1), radius <= r, (radius <= r) & (radius >= r - 1.3),
-             hbar, vbar, hbar | vbar, box & (((dx - dy).abs() <= 1) | ((dx + dy).abs() <= 1)),
-             box & ((dx - dy).abs() <= 1), (dy <= r) & (dy >= -r) & (ax <= (dy + r) / 2)]
-    mask = torch.stack(masks, 1)[torch.arange(n), label].float()
-    colour = torch.rand(n, 3, 1, 1, generator=g) * 0.8 + 0.4
-    images = mask.unsqueeze(1) * colour + noise * torch.randn(n, 3, size, size, generator=g)
-    return TensorDataset(images - 0.2, label)
-
-
-def get_data(name, train, root):
-    """shapes: 4096 training and 1024 test images, from two seeds; or CIFAR-10, in root."""
-    if name == "shapes":
-        return shapes(4096, seed=0) if train else shapes(1024, seed=1)
-    import torchvision
-    from torchvision import transforms
-    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26))])
-    return torchvision.datasets.CIFAR10(root, train=train, download=False, transform=tf)
-
-
-class SmallCNN(nn.Module):
-    """conv-BN-ReLU-pool twice, then a linear classifier."""
-
-    def __init__(self, image_size=16, width=16, num_classes=10):
-        super().__init__()
-        block = lambda cin, cout: [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                                   nn.ReLU(), nn.MaxPool2d(2)]
-        self.features = nn.Sequential(*block(3, width), *block(width, 2 * width))
-        self.classifier = nn.Linear(2 * width * (image_size // 4) ** 2, num_classes)
-
-    def forward(self, x):
-        return self.classifier(self.features(x).flatten(1))
+try:  # DDP: SyncBatchNorm for CPU ranks, from the course; PyTorch's own needs GPUs
+    from ddp_lesson.rank import syncbn  # DDP
+except ImportError:  # DDP: without the course, --sync-bn runs on GPUs only
+    class syncbn:  # DDP: on CPU ranks, --sync-bn stops the run with this sentence
+        def convert_sync_batchnorm(m): raise SystemExit("--sync-bn on CPU ranks needs the course's ddp_lesson")  # DDP
 
 
 def parse_args():
@@ -175,11 +132,56 @@ def main():
     ckpt = metrics.checkpoint_path()  # course: in the run's folder, where the notebook looks
     if rank == 0:  # DDP: one writer; save the inner model, without the "module." prefix
         torch.save(model.module.state_dict(), ckpt)
-    dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it
+    dist.barrier()  # DDP: nobody reads the checkpoint before rank 0 has written it; other nodes need a shared folder
     state = torch.load(ckpt, map_location=device, weights_only=True)  # DDP: onto *this* rank's device
     plain = SmallCNN(image_size=32 if args.dataset == "cifar10" else 16).to(device)
     plain.load_state_dict(state)  # loads into a plain model: no DDP needed to use it
     dist.destroy_process_group()  # DDP
+
+
+# ---- The data and the model: plain PyTorch, no DDP. main() above uses them. ----
+def shapes(n, seed, noise=0.35, size=16):
+    """The course's data, made from a seed, no download: n noisy drawn shapes (3 x 16 x 16) of
+    10 classes: square, frame, disc, ring, hbar, vbar, plus, cross, diagonal, triangle."""
+    g = torch.Generator().manual_seed(seed)
+    label = torch.randint(0, 10, (n,), generator=g)
+    centre = torch.randint(5, size - 5, (n, 2), generator=g).float()
+    r = torch.randint(3, 6, (n, 1, 1), generator=g).float()
+    grid = torch.arange(size).float()
+    dx = (grid.view(1, 1, size) - centre[:, 0].view(n, 1, 1)).expand(n, size, size)
+    dy = (grid.view(1, size, 1) - centre[:, 1].view(n, 1, 1)).expand(n, size, size)
+    ax, ay, radius = dx.abs(), dy.abs(), (dx ** 2 + dy ** 2).sqrt()
+    box, hbar, vbar = (ax <= r) & (ay <= r), (ay <= 1) & (ax <= r), (ax <= 1) & (ay <= r)
+    masks = [box, box & (torch.maximum(ax, ay) >= r - 1), radius <= r, (radius <= r) & (radius >= r - 1.3),
+             hbar, vbar, hbar | vbar, box & (((dx - dy).abs() <= 1) | ((dx + dy).abs() <= 1)),
+             box & ((dx - dy).abs() <= 1), (dy <= r) & (dy >= -r) & (ax <= (dy + r) / 2)]
+    mask = torch.stack(masks, 1)[torch.arange(n), label].float()
+    colour = torch.rand(n, 3, 1, 1, generator=g) * 0.8 + 0.4
+    images = mask.unsqueeze(1) * colour + noise * torch.randn(n, 3, size, size, generator=g)
+    return TensorDataset(images - 0.2, label)
+
+
+def get_data(name, train, root):
+    """shapes: 4096 training and 1024 test images, from two seeds; or CIFAR-10, in root."""
+    if name == "shapes":
+        return shapes(4096, seed=0) if train else shapes(1024, seed=1)
+    from torchvision import datasets, transforms
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26))])
+    return datasets.CIFAR10(root, train=train, download=False, transform=tf)
+
+
+class SmallCNN(nn.Module):
+    """conv-BN-ReLU-pool twice, then a linear classifier."""
+
+    def __init__(self, image_size=16, width=16, num_classes=10):
+        super().__init__()
+        block = lambda cin, cout: [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                                   nn.ReLU(), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*block(3, width), *block(width, 2 * width))
+        self.classifier = nn.Linear(2 * width * (image_size // 4) ** 2, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
 
 
 if __name__ == "__main__":
