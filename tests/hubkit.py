@@ -42,10 +42,17 @@ def why_no_hub():
     return None
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n different free ports: all held open together while picked, since a port picked and
+    let go can be picked again (seen: the hub and the proxy's API given the same port)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def others_can_use(path):
@@ -205,7 +212,7 @@ class Hub:
         self.http = requests.Session()
         self.base = Path(base)
         self.python = python
-        self.port = free_port()
+        self.port, hub_port, proxy_api_port = free_ports(3)
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = secrets.token_hex(16)
         self.http.headers["Authorization"] = f"token {self.token}"
@@ -213,8 +220,8 @@ class Hub:
         hub_dir.mkdir(mode=0o700)
         self.config = hub_dir / "jupyterhub_config.py"
         self.config.write_text(HUB_CONFIG.format(
-            python=python, learners=learners, port=self.port, hub_port=free_port(),
-            proxy_api_port=free_port(), pid_file=str(hub_dir / "proxy.pid"),
+            python=python, learners=learners, port=self.port, hub_port=hub_port,
+            proxy_api_port=proxy_api_port, pid_file=str(hub_dir / "proxy.pid"),
             db=hub_dir / "jupyterhub.sqlite", cookie=str(hub_dir / "cookie_secret"),
             path=f"{Path(python).parent}:/usr/local/bin:/usr/bin:/bin", pythonpath=pythonpath,
             token=self.token))
