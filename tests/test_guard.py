@@ -1,4 +1,5 @@
-"""`python -m ddp_lesson.rank.guard`, what torchrun runs for the agent and for every rank.
+"""`python -m ddp_lesson.rank.guard`, what torchrun runs for every rank, and `python -m
+ddp_lesson.rank.agent`, what the launcher runs torchrun under.
 
 Checked directly (no torchrun, so these are fast):
 
@@ -190,13 +191,13 @@ def _dead_pid():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("role", ["--agent", "--rank"])
-def test_parent_already_gone_means_exit_at_once(tmp_path, write_script, role):
+@pytest.mark.parametrize("entry", [["ddp_lesson.rank.agent"], ["ddp_lesson.rank.guard", "--rank"]])
+def test_parent_already_gone_means_exit_at_once(tmp_path, write_script, entry):
     """A launcher killed right after start() may be gone before the guard arms prctl: the
     guard is told its expected parent and exits without running anything."""
     marker = tmp_path / "ran"
     script = write_script("t.py", f"open({str(marker)!r}, 'w').write('ran')\n")
-    p = subprocess.run(GUARD + [role, "--parent", str(_dead_pid()), str(script)], env=guard_env(),
+    p = subprocess.run([sys.executable, "-m", *entry, "--parent", str(_dead_pid()), str(script)], env=guard_env(),
                        capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert p.returncode != 0 and not marker.exists(), p.stderr
 
@@ -272,7 +273,7 @@ def test_agent_guard_ends_descendants_that_left_the_tree(tmp_path, write_script)
     script = write_script("spawns.py", DAEMON)
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    p = subprocess.run(GUARD + ["--agent", "--signal", "TERM", str(script), str(pid_file)],
+    p = subprocess.run([sys.executable, "-m", "ddp_lesson.rank.agent", "--signal", "TERM", str(script), str(pid_file)],
                        env=guard_env(DDP_LESSON_RUN_DIR=run_dir, DDP_LESSON_RUN_TOKEN="t1"),
                        capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert p.returncode == 0, p.stderr

@@ -243,3 +243,50 @@ def test_notebooks_and_tests_import_by_path():
         found += [f"{path.name}: {n}" for n in ours
                   if world_named(n) is None and len(n.split(".")) > 1 and n.split(".")[1] in MODULES]
     assert not found, found
+
+
+def module_graph(package=PACKAGE):
+    """{module: the package modules it imports, lazily too}; a name imported from a module
+    (`from .guard import AGENT_ENV`) counts as that module."""
+    files = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in package.rglob("*.py") if "scripts" not in p.parts}
+    graph = {}
+    for name, path in files.items():
+        dotted = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        ours, _ = imports(path.read_text(), dotted)
+        targets = set()
+        for imported in ours:
+            parts = imported.split(".")
+            while parts and ".".join(parts) not in files:
+                parts.pop()
+            if parts and ".".join(parts) != name and len(parts) > 1:
+                targets.add(".".join(parts))
+        graph[name] = targets
+    return graph
+
+
+def circles(graph):
+    """Each import circle once, as the list of modules around it."""
+    found, done = [], set()
+
+    def visit(node, path):
+        if node in path:
+            loop = path[path.index(node):]
+            if frozenset(loop) not in done:
+                done.add(frozenset(loop))
+                found.append(loop)
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+
+    for start in sorted(graph):
+        visit(start, [])
+    return found
+
+
+def test_no_import_circles():
+    """Modules import each other one way: a circle (agent.py and guard.py, once) means two
+    modules that cannot be understood, or changed, one at a time."""
+    assert circles(module_graph()) == []
+    planted = {**module_graph(), "ddp_lesson.rank.rundir": {"ddp_lesson.rank.guard"}}
+    assert any(set(c) == {"ddp_lesson.rank.guard", "ddp_lesson.rank.rundir"} for c in circles(planted))

@@ -113,7 +113,7 @@ def check_host(out):
     return levels
 
 
-COURSE_COMMANDS = ("ddp_lesson.rank.guard", "ddp_lesson.rank.warm.server", "torch.distributed.run", "torchrun")
+COURSE_COMMANDS = ("ddp_lesson.rank.agent", "ddp_lesson.rank.guard", "ddp_lesson.rank.warm.server", "torch.distributed.run", "torchrun")
 
 
 def other_users():

@@ -8,7 +8,7 @@ A Run is only the process handle. What the ranks write is read from run.run_dir:
 and log tails by runs (runs.MetricsTail, runs.log_tail), live views by monitor.Monitor.
 
 torchrun runs as `python -m torch.distributed.run` in its own session, under
-ddp_lesson.rank.guard (ends it if this process dies); each rank runs under the guard too.
+ddp_lesson.rank.agent (ends it if this process dies); each rank runs under ddp_lesson.rank.guard.
 
 Launches are warm by default: warm processes (ddp_lesson.rank.warm.server, one per local rank,
 started ahead of need by warm_up()) that have imported torch fork the run's agent, which runs
@@ -248,11 +248,11 @@ def run(spec, run_dir=None):
                 "--log-dir", str(rundir.torchrun_logs(path)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                 "--monitor-interval", "0.1"]
     rank = ["--rank", str(rundir.script(path)), *spec.args]
-    cmd = [sys.executable, "-m", "ddp_lesson.rank.guard", "--agent", "--parent", str(os.getpid()),
+    cmd = [sys.executable, "-m", "ddp_lesson.rank.agent", "--parent", str(os.getpid()),
            "--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
     private = isolation.for_run(nodes.count == 1, user_env)   # a network of its own (warm: the warm process's)
     cmd = private.wrap(cmd)
-    # the warm agent: the same torchrun and ranks; the warm process adds --agent --parent
+    # the warm agent: the same torchrun and ranks; the warm process adds --parent
     warm_args = ["--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
     child_env = base_env()
     # the plan's OMP_NUM_THREADS (cores per rank) unless the launcher's environment sets one:

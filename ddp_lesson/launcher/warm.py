@@ -217,7 +217,7 @@ class Server:
         return None
 
     def spawn(self, args, env, cwd, log):
-        """Ask for an agent running `python -m ddp_lesson.rank.guard --agent ... ARGS` whose
+        """Ask for an agent running `python -m ddp_lesson.rank.agent ... ARGS` whose
         local rank R is forked by warm process R; returns an Agent once it exists, or raises
         Unavailable."""
         env = {**env, PATHS_ENV: os.pathsep.join(s.path for s in (self, *self.peers))}

@@ -1,5 +1,5 @@
-"""The torchrun agent's side of the guard (`python -m ddp_lesson.rank.guard --agent ...`, which
-calls run_agent): the agent becomes a child subreaper, so whatever a rank spawns (a daemon, a
+"""The torchrun agent's side of the guard: `python -m ddp_lesson.rank.agent [--parent PID]
+[--signal TERM] -m torch.distributed.run ...` (main), with guard.py's parent ties. The agent becomes a child subreaper, so whatever a rank spawns (a daemon, a
 new session) stays below it; notes itself in logs/agent.pid; runs torchrun (for a warm launch,
 having it ask the warm processes for its ranks: warm.ranks); when torchrun returns, fails or is
 stopped, ends every descendant and every process of this run (procs.run_processes) and writes
@@ -9,6 +9,7 @@ teardown AGENT_TEARDOWN_S seconds, then ends the rest and records the run as int
 """
 import os
 import signal
+import sys
 import time
 
 from . import guard, rundir
@@ -92,3 +93,18 @@ def orphaned():
     sweep()
     rundir.record_orphaned(_run_identity()[0])
     os._exit(1)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sig, parent, _, argv = guard.options(argv, roles=())
+    if not argv:
+        sys.exit("usage: python -m ddp_lesson.rank.agent [--parent PID] [--signal TERM] -m torch.distributed.run ...")
+    guard.watch_parent(sig, parent, on_orphan=orphaned)
+    run_agent(argv)
+
+
+if __name__ == "__main__":
+    # the package's own modules run, not second copies named __main__
+    from ddp_lesson.rank import agent
+    agent.main()

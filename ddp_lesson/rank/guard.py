@@ -1,13 +1,14 @@
-"""What the launcher runs: `python -m ddp_lesson.rank.guard [--agent|--rank] [--parent PID]
-[--signal SIG] TARGET ARGS...`. TARGET is a script path or `-m module`.
+"""What torchrun runs for each rank: `python -m ddp_lesson.rank.guard [--rank] [--parent PID]
+[--signal SIG] TARGET ARGS...`. TARGET is a script path or `-m module`. The agent, the process
+that runs torchrun, has an entry of its own with the same options: `python -m
+ddp_lesson.rank.agent` (agent.py), which uses this file's parent ties.
 
 In every process it wraps, the guard first ties the process to its parent: the kernel
 delivers SIG (SIGKILL by default) when the parent dies (prctl PR_SET_PDEATHSIG), and if the
 expected parent (--parent, or the agent's PID for a rank) is already gone by the time that
 is armed, it exits at once, so a launcher killed right after start() leaves nothing.
 
-- the agent (`--agent`, wrapping torchrun; gets SIGTERM so torchrun tears its workers down):
-  the agent's side, agent.py.
+- the agent (agent.py, wrapping torchrun; gets SIGTERM so torchrun tears its workers down).
 - a rank (`--rank`, or RANK and DDP_LESSON_RUN_DIR set): notes itself in logs/rank<R>.pid;
   sends stdout/stderr to logs/rank<R>.stdout.log / .stderr.log; if the script raises, writes logs/rank<R>.error.json
   and prints the traceback once, from the script's own frames on; dumps its Python stack to
@@ -267,28 +268,30 @@ def _exit_rank(code):
     os._exit(code)
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+def options(argv, roles=("--rank",)):
+    """(signal, parent, role, the rest) from an entry's command line: --signal TERM, --parent PID
+    and one of `roles`, in any order, before the target."""
     sig, parent, role = signal.SIGKILL, None, None
-    while argv[:1] and argv[0] in ("--signal", "--parent", "--agent", "--rank"):
+    while argv[:1] and argv[0] in ("--signal", "--parent", *roles):
         if argv[0] == "--signal":
             sig, argv = signal.Signals["SIG" + argv[1]], argv[2:]
         elif argv[0] == "--parent":
             parent, argv = int(argv[1]), argv[2:]
         else:
             role, argv = argv[0][2:], argv[1:]
+    return sig, parent, role, argv
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sig, parent, role, argv = options(argv)
     if not argv:
-        sys.exit("usage: python -m ddp_lesson.rank.guard [--agent|--rank] [--parent PID] [--signal TERM] "
+        sys.exit("usage: python -m ddp_lesson.rank.guard [--rank] [--parent PID] [--signal TERM] "
                  "(SCRIPT | -m MODULE) [ARGS...]")
     if role is None and "RANK" in os.environ and rundir.ENV in os.environ:
         role = "rank"
     if role == "rank" and parent is None and os.environ.get(AGENT_ENV):
         parent = int(os.environ[AGENT_ENV])
-    if role == "agent":
-        from . import agent
-        watch_parent(sig, parent, on_orphan=agent.orphaned)
-        agent.run_agent(argv)
-        return
     watch_parent(sig, parent)
     agent_pid = os.environ.get(AGENT_ENV)
     if role == "rank" and agent_pid and int(agent_pid) != parent:

@@ -17,6 +17,6 @@ The boundary: the rest of the package uses only these.
     rank/agent.py    ranks.install(paths)
     rank/guard.py    fork.shed_inheritance() and fork.inherited(obj), in a forked rank only
     rank/procs.py    the notes server.py writes (<folder>/<pid>.run: run_dir, token, start)
-This room may use guard.py (the parent ties, reaped(), run_target) and rundir.py, nothing else
+This room may use guard.py (the parent ties, reaped(), main), agent.py (main) and rundir.py, nothing else
 of the package. Standard library and torch only, like the ranks it starts.
 """
