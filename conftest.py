@@ -20,7 +20,8 @@ import pytest
 # The longest files first (seconds in the last fresh-clone run, 2 cores), so that none starts
 # last and keeps the others waiting; this changes only the order, never what runs.
 LONG_FIRST = [
-    "notebooks/11_capstone_gpt.ipynb", "tests/test_netns.py", "tests/test_cli.py",
+    "tests/test_warm.py", "tests/test_warm_fidelity.py",
+    "notebooks/11_capstone_gpt.ipynb", "tests/test_netns.py", "tests/test_cli.py", "tests/test_take_home.py",
     "tests/test_bench_quick.py", "notebooks/07_troubleshooting.ipynb", "notebooks/10_beyond_ddp.ipynb",
     "notebooks/09_collectives_and_ddp_from_scratch.ipynb", "notebooks/03b_ddp_equals_one_process.ipynb",
     "notebooks/05_gradient_accumulation.ipynb", "notebooks/04_sync_batchnorm.ipynb",
@@ -28,6 +29,8 @@ LONG_FIRST = [
     "notebooks/03_ddp_torchrun.ipynb", "notebooks/03c_averaging_in_ddp.ipynb", "tests/test_lessons_03_05.py", "tests/test_lesson_09.py",
     "tests/test_launch.py", "tests/test_browser.py", "tests/test_lesson_10.py", "tests/test_world_size.py",
     "tests/test_world_abuse.py", "tests/test_launch_stress.py", "notebooks/00_start_here.ipynb",
+    "tests/test_timeout_diagnosis.py", "tests/test_hub.py", "tests/test_data.py", "tests/test_timing.py",
+    "tests/test_run_processes.py",
 ]
 
 RERUN = {"03_ddp_torchrun.ipynb", "03b_ddp_equals_one_process.ipynb", "03c_averaging_in_ddp.ipynb",

@@ -51,7 +51,9 @@ def test_unreachable_interface_waits_until_the_launchers_timeout(machines, tmp_p
     same two machines with gloo's own short timeout, both ranks failing with a hint, side by side
     with the fix, GLOO_SOCKET_IFNAME=lesson0, and asserts its all_reduce: not run again here.)"""
     with machines(side_network=True) as m:
-        bad = m.run(SCRIPT, tmp_path / "bad", timeout=90, args=["--timeout", "1800"], port=launch.free_port())
+        # the launcher's timeout only has to outlast both ranks' start (import torch, cold, in
+        # a namespace each) on a busy machine: then both wait in init_process_group
+        bad = m.run(SCRIPT, tmp_path / "bad", timeout=50, args=["--timeout", "1800"], port=launch.free_port())
     assert m.exists() == []
     res = results(bad)
     assert "node0: gloo listens on 198.51.100.1" in stdout(bad[0])  # the side network

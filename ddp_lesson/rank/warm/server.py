@@ -11,7 +11,7 @@ With `--idle S`, it exits after S seconds with no child and no request (an idle 
 holds no torch in memory); its launcher starts a new one at the next launch.
 
 It holds one thread whenever it forks (it checks), never initializes CUDA, imports of this
-package only the guard, the agent and the warm/ room (nothing a learner edits), and dies with the process that started it.
+package only the guard and the warm/ room (nothing a learner edits; the agent's fork imports agent.py), and dies with the process that started it.
 Standard library and torch only, like the ranks it starts.
 """
 import gc
@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .. import agent, guard, rundir
+from .. import guard, rundir
 from . import fork
 
 # what a rank of a DDP script imports anyway: torch, and torch._dynamo, which DDP(...) and
@@ -39,7 +39,7 @@ from . import fork
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.nn.parallel",
            "torch._dynamo", "torch.optim", "torch.utils.data")
 # what it holds of this package, from the package's folder
-OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/agent.py", "rank/guard.py", "rank/rundir.py", "rank/warm/__init__.py",
+OWN_FILES = ("__init__.py", "rank/__init__.py", "rank/guard.py", "rank/rundir.py", "rank/warm/__init__.py",
              "rank/warm/fork.py", "rank/warm/server.py")
 
 
@@ -126,6 +126,7 @@ def _become(req, warm_pid, inherited, fds):
         else:
             # `python -m torch.distributed.run` runs that module once, as __main__: so does this
             sys.modules.pop("torch.distributed.run", None)
+            from .. import agent   # only in the agent's fork: a rank never holds it
             agent.main(["--parent", str(warm_pid), *req["args"]])
         code = 0
     except SystemExit as e:
