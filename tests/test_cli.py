@@ -252,7 +252,9 @@ def test_cleanup_ends_leftover_runs_and_nothing_else(tmp_path, tmp_run_dir):
     ended = [line for line in clean["stdout"].splitlines() if re.search(r"\bpid \d+\b", line)]
     assert len(ended) == len(report["leftover"]), clean["stdout"]
     assert all(str(tmp_run_dir) in line for line in ended)
-    assert report["alive_after"] == [] and report["gone_after_s"] < 10
+    # gone by the time cleanup returned, or within seconds of it (its own start, which a busy
+    # machine slows, is not what is measured)
+    assert report["alive_after"] == [] and report["gone_after_s"] - clean["seconds"] < 10, report
     assert report["bystander_alive"]
     assert report["impostor_alive"]  # DDP_LESSON_RUN_DIR without the run's token is not ours
     assert json.loads((tmp_run_dir / "result.json").read_text())["status"] == "interrupted"

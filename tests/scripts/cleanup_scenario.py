@@ -59,7 +59,7 @@ real = subprocess.run([sys.executable, "-m", "ddp_lesson", "cleanup"],
                       capture_output=True, text=True, env=clean_env)
 report["cleanup"] = {"rc": real.returncode, "stdout": real.stdout, "stderr": real.stderr,
                      "seconds": round(time.monotonic() - t0, 2)}
-while run_procs() and time.monotonic() - t0 < 10:
+while run_procs() and time.monotonic() - t0 < report["cleanup"]["seconds"] + 10:
     time.sleep(0.1)
 report["alive_after"] = run_procs()
 report["gone_after_s"] = round(time.monotonic() - t0, 2)
