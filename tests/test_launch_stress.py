@@ -105,11 +105,11 @@ def ready(run_dir, nproc):
 
 
 @pytest.mark.timeout(300)
-def test_ten_launcher_kills_leave_nothing(tmp_path):
+def test_launcher_kills_leave_nothing(tmp_path):
     rnd = random.Random(11)
     core = str(sorted(one_core())[0])
     left = []
-    for i in range(10):
+    for i in range(6):   # each starts a launcher that imports torch: six keep the suite within its time
         run_dir = tmp_path / f"run{i}"
         if i == 0:    # a real gloo group, killed once every rank is up
             script, nproc, args, wait_ready = SCRIPTS / "sleeper.py", 2, ["--ignore-term"], True
