@@ -23,16 +23,16 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from ddp_lesson.rank import procs, rundir
+from ddp_lesson.rank import procs
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -152,6 +152,15 @@ def child_env(**extra):
     env["PYTHONUNBUFFERED"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def plain_torchrun(script, *args, nproc=2, env=None, cwd=None, timeout=240):
+    """`torchrun --standalone --nproc-per-node N SCRIPT ARGS` with no course launcher around it
+    (the reference a test compares with); its output as text. env: child_env() by default."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(script), *map(str, args)]
+    return subprocess.run(cmd, env=child_env() if env is None else env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def cli(*args):

@@ -5,8 +5,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from conftest import plain_torchrun
 from ddp_lesson.rank.bundled import script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,8 +170,7 @@ def test_loss_reduced_by_hand_divides_the_gradients_twice(tmp_path):
     script = tmp_path / "hand_reduced.py"
     script.write_text(HAND_REDUCED)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], env=env, capture_output=True, text=True, timeout=300)
+    out = plain_torchrun(script, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     ratio = json.loads(out.stdout.split("RATIO", 1)[1].splitlines()[0].strip())
     assert all(math.isclose(r, 2.0, rel_tol=1e-9) for r in ratio), ratio      # 2 ranks: half of one process's

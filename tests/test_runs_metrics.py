@@ -16,14 +16,12 @@
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from conftest import SCRIPTS, child_env
+from conftest import SCRIPTS, plain_torchrun
 from ddp_lesson.launcher import failures, runs
 from ddp_lesson.rank import metrics, rundir
 
@@ -219,9 +217,7 @@ def test_explanations():
 def test_script_runs_under_plain_torchrun(tmp_path):
     """ddp_lesson.rank.metrics is optional plumbing: a plain torchrun run works and
     writes no run directory."""
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", str(SCRIPTS / "contract.py"), "--steps", "2"],
-                       env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    p = plain_torchrun(SCRIPTS / "contract.py", "--steps", "2", cwd=tmp_path, timeout=100)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "world size 2" in p.stdout and p.stdout.count("world size") == 1  # rank 0 only
     # two processes share one pipe: a rank's line can land in the middle of another's

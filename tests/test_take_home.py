@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from conftest import plain_torchrun
 from ddp_lesson.rank import bundled
 from ddp_lesson.rank import data, models
 
@@ -54,9 +55,11 @@ def take_home(name, tmp_path, *siblings):
 
 
 def run_alone(path, env, args, nproc=2):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd = [sys.executable, path.name, *args] if nproc is None else torchrun + [path.name, *args]
-    return subprocess.run(cmd, env=env, cwd=path.parent, capture_output=True, text=True, timeout=240)
+    """`path` run by plain torchrun on `nproc` ranks in its folder (nproc None: by plain python)."""
+    if nproc is not None:
+        return plain_torchrun(path.name, *args, nproc=nproc, env=env, cwd=path.parent)
+    return subprocess.run([sys.executable, path.name, *args], env=env, cwd=path.parent, capture_output=True,
+                          text=True, timeout=240)
 
 
 @pytest.mark.timeout(300)

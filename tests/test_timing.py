@@ -10,8 +10,6 @@ tests/test_world_size.py's 3-rank ddp_basic.py run (3 does not divide the 1,024 
 each must still be counted once).
 """
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from ddp_lesson.notebook import plots
 from ddp_lesson.rank.bundled import script
 from ddp_lesson.notebook.widgets import DevicePicker, RunPanel
 
-from conftest import REPO, child_env
+from conftest import plain_torchrun
 
 TRAIN = script("ddp_basic.py")
 
@@ -176,9 +174,7 @@ def test_step_timer_leaves_ddps_averaging_alone(write_script, tmp_path):
     """The timer only watches (no comm hook): on 3 ranks the weights after 3 steps are plain
     DDP's bit for bit, with one bucket or several, also for DDP over a sub-group of 2 ranks."""
     script = write_script("averaging.py", AVERAGING)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                        str(script)], env=child_env(), cwd=tmp_path, capture_output=True, text=True,
-                        timeout=240)   # generous: at load ~17 on 2 cores it took over 100 s
+    p = plain_torchrun(script, nproc=3, cwd=tmp_path)   # 240 s: at load ~17 on 2 cores it took over 100 s
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count("same weights") == 3, p.stdout
 
@@ -270,8 +266,6 @@ def test_the_wait_is_where_a_rank_waits(write_script, tmp_path):
     gradients, is compute (a timer started at the first gradient would call it waiting); so is
     work after timer.backward_done(), before the step."""
     script = write_script("where_wait.py", WHERE_THE_WAIT_IS)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script)], env=child_env(), cwd=tmp_path, capture_output=True, text=True,
-                        timeout=240)
+    p = plain_torchrun(script, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert p.stdout.count(" ok") == 2, p.stdout

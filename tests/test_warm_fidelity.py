@@ -18,13 +18,12 @@ Each case runs one tiny 2-rank script three ways: warm, cold (launch.start) and 
 """
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import child_env, wait_until
+from conftest import child_env, plain_torchrun, wait_until
 from ddp_lesson.launcher import launch, runs, warm
 from ddp_lesson.rank.warm import server as warm_server
 
@@ -101,10 +100,7 @@ def run_three_ways(mode, script, out, env=()):
     out.mkdir()
     env = {"FIDELITY_OUT": str(out), **dict(env)}
     if mode == "torchrun":
-        full = child_env(**env)
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node=2", str(script)], env=full, cwd=script.parent,
-                              capture_output=True, text=True, timeout=240)
+        done = plain_torchrun(script, env=child_env(**env), cwd=script.parent)
         return ("ok" if done.returncode == 0 else done.stderr[-3000:]), None
     run = launch.start(script, nproc=2, cpu=True, cold=mode == "cold", timeout=120, env=env)
     result = run.wait()
