@@ -69,8 +69,9 @@ def run_agent(argv):
     guard.prctl(PR_SET_CHILD_SUBREAPER, 1)
     os.environ[guard.AGENT_ENV] = str(os.getpid())
     launcher = os.getppid()
-    if _run_identity()[0]:
-        rundir.write_pid(_run_identity()[0], "agent")
+    run_dir = _run_identity()[0]
+    if run_dir:
+        rundir.write_pid(run_dir, "agent")
     paths = os.environ.pop(WARM_RANKS_ENV, "")
     if paths:   # a warm launch: each rank is forked by its own warm process
         from .warm import ranks
@@ -83,7 +84,7 @@ def run_agent(argv):
     finally:
         sweep()
         if os.getppid() != launcher:   # nobody is left to say how the run ended: say it here
-            rundir.record_orphaned(_run_identity()[0])
+            rundir.record_orphaned(run_dir)
 
 
 def orphaned():

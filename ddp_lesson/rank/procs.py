@@ -5,7 +5,6 @@ files in the run's logs/ ("PID START": each guarded process, and each process a 
 forks, notes itself there), and a warm process's note of what it forked; and everything
 below those."""
 import os
-import re
 import signal
 import time
 
@@ -198,8 +197,7 @@ def wait_gone(procs, timeout):
 def ranks(run_dir):
     """The ranks of a run alive now, from their pid files (logs/rank<R>.pid): a warm rank is
     not a child of the agent."""
-    return [p for f in rundir.pid_files(run_dir) if re.fullmatch(r"rank\d+\.pid", f.name)
-            for p in recorded_file(f)]
+    return [p for f in rundir.rank_pid_files(run_dir).values() for p in recorded_file(f)]
 
 
 def recorded_file(path):

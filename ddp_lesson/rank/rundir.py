@@ -94,6 +94,16 @@ def pid_files(run_dir):
     return sorted(logs(run_dir).glob("*.pid"))
 
 
+def rank_pid_files(run_dir):
+    """{rank: logs/rank<R>.pid} of the ranks that noted themselves."""
+    found = {}
+    for path in pid_files(run_dir):
+        m = re.fullmatch(r"rank(\d+)\.pid", path.name)
+        if m:
+            found[int(m.group(1))] = path
+    return found
+
+
 def start_ticks(pid="self"):
     """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat)."""
     with open(f"/proc/{pid}/stat") as f:
