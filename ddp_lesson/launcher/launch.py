@@ -248,12 +248,10 @@ def run(spec, run_dir=None):
                 "--log-dir", str(rundir.torchrun_logs(path)), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                 "--monitor-interval", "0.1"]
     rank = ["--rank", str(rundir.script(path)), *spec.args]
-    cmd = [sys.executable, "-m", "ddp_lesson.rank.agent", "--parent", str(os.getpid()),
-           "--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
-    private = isolation.for_run(nodes.count == 1, user_env)   # a network of its own (warm: the warm process's)
-    cmd = private.wrap(cmd)
-    # the warm agent: the same torchrun and ranks; the warm process adds --parent
+    # the agent's arguments, warm or cold: the warm process adds --parent itself
     warm_args = ["--signal", "TERM", *torchrun, "-m", "ddp_lesson.rank.guard", *rank]
+    private = isolation.for_run(nodes.count == 1, user_env)   # a network of its own (warm: the warm process's)
+    cmd = private.wrap([sys.executable, "-m", "ddp_lesson.rank.agent", "--parent", str(os.getpid()), *warm_args])
     child_env = base_env()
     # the plan's OMP_NUM_THREADS (cores per rank) unless the launcher's environment sets one:
     # torchrun keeps what its caller set, and so does this
